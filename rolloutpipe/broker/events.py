@@ -1,0 +1,179 @@
+"""The wire schema: one pydantic model per event kind.
+
+Every event carries ``kind``, ``schema_version``, ``run``, ``step`` and
+``policy_version``.  Token ids and logprobs are numpy arrays on the Python
+side and packed little-endian bytes on the wire (never lists of ints).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer
+
+SCHEMA_VERSION = 1
+
+
+def _packer(dtype: str) -> tuple[BeforeValidator, PlainSerializer]:
+    np_dtype = np.dtype(dtype)
+
+    def validate(v: Any) -> np.ndarray:
+        if isinstance(v, np.ndarray):
+            return np.ascontiguousarray(v, dtype=np_dtype)
+        if isinstance(v, bytes | bytearray | memoryview):
+            b = bytes(v)
+            if len(b) % np_dtype.itemsize:
+                raise ValueError(f"packed {dtype} array has {len(b)} bytes, not a multiple of {np_dtype.itemsize}")
+            return np.frombuffer(b, dtype=np_dtype).copy()
+        if isinstance(v, list | tuple):
+            return np.asarray(v, dtype=np_dtype)
+        raise ValueError(f"expected packed {dtype} bytes, got {type(v).__name__}")
+
+    def serialize(v: np.ndarray) -> bytes:
+        return np.ascontiguousarray(v, dtype=np_dtype).tobytes()
+
+    return BeforeValidator(validate), PlainSerializer(serialize, return_type=bytes)
+
+
+Int32Array = Annotated[np.ndarray, *_packer("<i4")]
+Float32Array = Annotated[np.ndarray, *_packer("<f4")]
+
+
+class Event(BaseModel):
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    kind: str
+    schema_version: int = SCHEMA_VERSION
+    run: str
+    step: int
+    policy_version: int
+
+
+class RolloutRequest(Event):
+    """One sample to generate: request ``sample_index`` of group ``group_id``."""
+
+    kind: Literal["request"] = "request"
+    request_id: str
+    group_id: str
+    prompt_index: int
+    sample_index: int
+    group_size: int
+    prompt: str
+    answer: str
+    seed: int
+    max_new_tokens: int
+    temperature: float = 1.0
+    minibatch_hint: int = 0
+    released_at: float
+
+
+class Sample(Event):
+    """One generated response with its behaviour logprobs and reward."""
+
+    kind: Literal["sample"] = "sample"
+    sample_id: str
+    request_id: str
+    group_id: str
+    prompt_index: int
+    sample_index: int
+    group_size: int
+    worker: str
+    prompt_ids: Int32Array
+    response_ids: Int32Array
+    logprobs: Float32Array
+    reward: float
+    finish_reason: str = "stop"
+    admitted_at: float
+    finished_at: float
+
+
+class FrontierStatus(BaseModel):
+    """Where a group falls in the step's training order."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    minibatch: int
+    position: int  # 0-based position in the step's FIFO order
+    minibatch_size: int  # groups per mini-batch
+    needed: int  # groups this mini-batch still needs after this one
+    total_groups: int
+
+
+class Group(Event):
+    """A complete group: all samples of one prompt, with group-relative advantages."""
+
+    kind: Literal["group"] = "group"
+    group_id: str
+    prompt_index: int
+    samples: list[Sample]
+    advantages: Float32Array
+    frontier: FrontierStatus
+    completed_at: float
+
+
+class StepPlan(Event):
+    """What step ``step`` will roll out and how it is cut into mini-batches."""
+
+    kind: Literal["plan"] = "plan"
+    mode: Literal["sync", "cgp", "cgp-fgd"]
+    n_groups: int
+    group_size: int
+    minibatches: int
+    created_at: float
+
+    @property
+    def groups_per_minibatch(self) -> int:
+        return self.n_groups // self.minibatches
+
+
+class PolicyVersion(Event):
+    """Weights for ``policy_version`` are published at ``path``; ``sha256`` per file."""
+
+    kind: Literal["policy_version"] = "policy_version"
+    path: str
+    sha256: dict[str, str]
+    published_at: float
+
+
+class StepMetrics(Event):
+    """Observed per-step measurements, written by the trainer."""
+
+    kind: Literal["metrics"] = "metrics"
+    mode: str
+    rollout_to_train_end_s: float
+    trainer_wait_ratio: float
+    first_group_s: float
+    reward_mean: float
+    groups: int
+    samples: int
+    tokens: int
+    fence_rejections: int
+    dead_letters: int
+    train_busy_s: float
+    rollout_makespan_s: float
+    last_minibatch_train_s: float
+    last_group_train_s: float = 0.0  # the last group's forward/backward plus the final optimizer step
+    dispatch_latency_p50_s: float
+    dispatch_latency_p99_s: float
+    minibatches: list[list[str]] = Field(default_factory=list)
+    step_start: float = 0.0
+    train_end: float = 0.0
+
+
+class DeadLetter(Event):
+    """Anything that could not be used, with the reason.  Nothing is dropped silently."""
+
+    kind: Literal["dead_letter"] = "dead_letter"
+    source_stream: str
+    entry_id: str
+    role: str
+    reason: str
+    payload: bytes
+    created_at: float
+
+
+AnyEvent = Annotated[
+    RolloutRequest | Sample | Group | StepPlan | PolicyVersion | StepMetrics | DeadLetter,
+    Field(discriminator="kind"),
+]

@@ -1,0 +1,137 @@
+"""Command line: ``rolloutpipe run|bench|controller|rollout|aggregator|trainer``.
+
+Config is loaded (YAML, ``RP_…`` env, ``dotted.key=value`` overrides) before any event loop starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from rolloutpipe.config import MODES, Config, load_config
+from rolloutpipe.errors import RolloutPipeError
+from rolloutpipe.runtime import run_async, setup_logging
+
+log = logging.getLogger("rolloutpipe.cli")
+ROLES = ("controller", "rollout", "aggregator", "trainer")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rolloutpipe", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    run = sub.add_parser("run", help="run every role as a separate process (embedded Redis by default)")
+    run.add_argument("config")
+    run.add_argument("--mode", choices=MODES)
+    run.add_argument("--steps", type=int)
+    run.add_argument("--out")
+    run.add_argument("--redis-url", default="")
+    run.add_argument("--no-progress", action="store_true")
+    run.add_argument("overrides", nargs="*", help="dotted.key=value")
+
+    bench = sub.add_parser("bench", help="sync vs cgp vs cgp-fgd on the emulated engine, side by side")
+    bench.add_argument("config", nargs="?", default="")
+    bench.add_argument("--out", default="runs/bench")
+    bench.add_argument("--steps", type=int)
+    bench.add_argument("--redis-url", default="")
+    bench.add_argument("--no-progress", action="store_true")
+    bench.add_argument("overrides", nargs="*", help="dotted.key=value")
+
+    for role in ROLES:
+        rp = sub.add_parser(role, help=f"run the {role} role alone")
+        rp.add_argument("config")
+        rp.add_argument("--redis-url", required=True)
+        rp.add_argument("--run", required=True)
+        rp.add_argument("--out", help="trainer: where weights and metrics.jsonl go")
+        rp.add_argument("--worker-id", default="", help="rollout: stable consumer name")
+        rp.add_argument("overrides", nargs="*", help="dotted.key=value")
+    return p
+
+
+def _cfg(args: argparse.Namespace, extra: list[str]) -> Config:
+    return load_config(args.config or None, [*args.overrides, *extra])
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from rolloutpipe.runner import run_embedded, summary_table, write_report
+
+    extra = []
+    if args.mode:
+        extra.append(f"controller.mode={args.mode}")
+    if args.steps is not None:
+        extra.append(f"controller.steps={args.steps}")
+    if args.out:
+        extra.append(f"out={args.out}")
+    cfg = _cfg(args, extra)
+    setup_logging(cfg.log_level, "run")
+    out = Path(cfg.out)
+    if cfg.rollout.engine == "transformers" or cfg.trainer.backend == "torch":
+        from rolloutpipe.policy import ensure_model
+
+        log.info("model: %s", ensure_model(cfg.model))
+    metrics = run_embedded(cfg, out, url=args.redis_url, progress=not args.no_progress)
+    write_report(cfg, metrics, out)
+    print(summary_table(metrics, every=max(1, len(metrics) // 12)))
+    print(f"\nmetrics: {out / 'metrics.jsonl'}   report: {out / 'report.json'}, {out / 'report.png'}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from rolloutpipe.bench import run_bench
+
+    setup_logging("WARNING", "bench")
+    return run_bench(args.config or None, Path(args.out), args.overrides, steps=args.steps,
+                     url=args.redis_url, progress=not args.no_progress)  # fmt: skip
+
+
+def cmd_role(args: argparse.Namespace) -> int:
+    cfg = _cfg(args, [f"run={args.run}"])
+    setup_logging(cfg.log_level, args.cmd)
+    url = args.redis_url
+
+    async def main(stop: asyncio.Event) -> int:
+        if args.cmd == "controller":
+            from rolloutpipe.workers.controller import run_controller
+
+            return await run_controller(cfg, url, args.run, stop)
+        if args.cmd == "rollout":
+            from rolloutpipe.workers.rollout import run_rollout
+
+            return await run_rollout(cfg, url, args.run, stop, args.worker_id)
+        if args.cmd == "aggregator":
+            from rolloutpipe.workers.aggregator import run_aggregator
+
+            return await run_aggregator(cfg, url, args.run, stop)
+        from rolloutpipe.trainer.trainer import run_trainer
+
+        return await run_trainer(cfg, url, args.run, Path(args.out or cfg.out), stop)
+
+    return run_async(main)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    # dotted overrides may come after options; argparse leaves those in ``unknown``
+    bad = [u for u in unknown if u.startswith("-") or "=" not in u]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    args.overrides = [*getattr(args, "overrides", []), *unknown]
+    try:
+        if args.cmd == "run":
+            return cmd_run(args)
+        if args.cmd == "bench":
+            return cmd_bench(args)
+        return cmd_role(args)
+    except RolloutPipeError as e:
+        print(f"rolloutpipe: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,217 @@
+"""Configuration: YAML under ``configs/``, overridden by ``RP_…`` env vars, overridden by dotted CLI flags.
+
+Precedence (highest first): ``a.b=c`` CLI overrides, ``RP_A__B=c`` environment, the YAML file, defaults.
+Loaded before any event loop starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from rolloutpipe.errors import ConfigError
+
+Mode = Literal["sync", "cgp", "cgp-fgd"]
+MODES: tuple[Mode, ...] = ("sync", "cgp", "cgp-fgd")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TaskConfig(_Section):
+    """The verifiable task: dataset and verifier are dotted import paths."""
+
+    dataset: str = "rolloutpipe.workers.task:mod10_addition"
+    verifier: str = "rolloutpipe.workers.verifiers:first_char_match"
+    num_prompts: int = 1000
+    seed: int = 0
+
+
+class ModelConfig(_Section):
+    """The tiny Qwen3-architecture policy built locally (no download)."""
+
+    path: str = ""  # empty: build the tiny model under the cache dir
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32  # vLLM's CPU kernels need head_dim >= 32
+    intermediate_size: int = 128
+    seed: int = 0
+    cache_dir: str = "~/.cache/rolloutpipe/models"
+
+
+class EmulatedEngineConfig(_Section):
+    """A model of continuous batching; times are real seconds multiplied by ``time_scale``."""
+
+    max_num_seqs: int = 32
+    decode_base_s: float = 0.012  # decode-step time at batch 1
+    decode_per_seq_s: float = 0.00008  # added per running sequence
+    prefill_per_token_s: float = 0.00002
+    prompt_tokens: int = 256
+    length_dist: Literal["lognormal"] = "lognormal"
+    length_median: int = 1200
+    length_sigma: float = 0.9
+    max_response_tokens: int = 8192
+    time_scale: float = 0.05
+    pass_rate_alpha: float = 1.0  # per-prompt pass rate ~ Beta(alpha, beta)
+    pass_rate_beta: float = 1.0
+
+
+class RolloutConfig(_Section):
+    engine: Literal["transformers", "emulated"] = "transformers"
+    engine_plugin: str = ""  # dotted path to an Engine factory; overrides ``engine``
+    workers: int = 2  # rollout worker processes started by ``rolloutpipe run``
+    max_concurrency: int = 64  # sequences one worker runs at once
+    max_new_tokens: int = 4
+    temperature: float = 1.0
+    heartbeat_s: float = 1.0
+    claim_idle_s: float = 5.0  # a pending request untouched this long belongs to a dead worker
+    emulated: EmulatedEngineConfig = Field(default_factory=EmulatedEngineConfig)
+
+
+class ControllerConfig(_Section):
+    mode: Mode = "cgp-fgd"
+    steps: int = 60
+    prompts_per_step: int = 16
+    group_size: int = 16
+    minibatches: int = 2
+    fgd_slack: int = 0  # extra requests admitted beyond free engine capacity in cgp-fgd
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _divisible(self) -> ControllerConfig:
+        if self.prompts_per_step % self.minibatches:
+            raise ValueError(
+                f"prompts_per_step ({self.prompts_per_step}) must be a multiple of "
+                f"minibatches ({self.minibatches})"
+            )
+        if self.group_size < 1 or self.prompts_per_step < 1 or self.steps < 0:
+            raise ValueError("group_size and prompts_per_step must be >= 1, steps >= 0")
+        return self
+
+
+class EmulatedTrainerConfig(_Section):
+    tokens_per_s: float = 40_000.0  # forward+backward throughput of the trainer pool
+    time_scale: float = 0.05
+    logprob_pass_factor: float = 0.0  # extra forward passes a slime-style step does, as a fraction
+
+
+class TrainerConfig(_Section):
+    backend: Literal["torch", "emulated"] = "torch"
+    lr: float = 5e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    clip_eps: float = 0.2
+    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    old_logprobs: Literal["engine", "frozen"] = "engine"
+    seed: int = 0
+    record_groups: bool = False  # write every consumed group to OUT/groups.msgpack (replay, audits)
+    emulated: EmulatedTrainerConfig = Field(default_factory=EmulatedTrainerConfig)
+
+
+class RedisConfig(_Section):
+    url: str = ""  # empty: ``rolloutpipe run`` starts a private redis-server
+    maxlen: int = 100_000
+    block_ms: int = 50
+
+
+class Config(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RP_", env_nested_delimiter="__", extra="forbid")
+
+    run: str = "demo"
+    out: str = "runs/demo"
+    log_level: str = "INFO"
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    controller: ControllerConfig = Field(default_factory=ControllerConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # init kwargs carry YAML merged with CLI overrides; env sits between them (see load_config).
+        return (init_settings,)
+
+    def dump_yaml(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False))
+
+
+def _set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    cur = d
+    for p in parts[:-1]:
+        nxt = cur.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"cannot set {dotted!r}: {p!r} is not a section")
+        cur = nxt
+    cur[parts[-1]] = value
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["a.b=3", "c=x"]`` -> nested dict; values are parsed as YAML scalars."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
+        key, raw = item.split("=", 1)
+        _set_dotted(out, key.strip(), yaml.safe_load(raw) if raw != "" else "")
+    return out
+
+
+def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in environ.items():
+        if not k.startswith("RP_") or k in ("RP_REDIS_SERVER",):
+            continue
+        dotted = k[3:].lower().replace("__", ".")
+        _set_dotted(out, dotted, yaml.safe_load(v) if v != "" else "")
+    return out
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_config(
+    path: str | Path | None, overrides: list[str] | None = None, environ: dict[str, str] | None = None
+) -> Config:
+    """YAML, then ``RP_…`` env, then dotted overrides; errors name the bad key."""
+    import os
+
+    data: dict[str, Any] = {}
+    if path:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file {p} does not exist")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping, not {type(loaded).__name__}")
+        data = loaded
+    data = _deep_merge(data, _env_overrides(dict(os.environ if environ is None else environ)))
+    data = _deep_merge(data, parse_overrides(overrides or []))
+    try:
+        return Config(**data)
+    except ValidationError as e:
+        msgs = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
+        raise ConfigError(f"invalid config: {msgs}") from e

@@ -1,0 +1,150 @@
+"""The tiny Qwen3-architecture policy: built locally (no download), loaded, scored.
+
+Shared by the ``transformers`` rollout engine and the torch trainer so that both compute
+behaviour logprobs the same way.  torch and transformers are imported lazily: roles that
+run on the emulated engine never import them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from rolloutpipe.config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("rolloutpipe.policy")
+
+VOCAB = ["<pad>", "<bos>", "<eos>", *"0123456789", *"+=-* "]  # 18 tokens, char level
+PAD, BOS, EOS = 0, 1, 2
+
+
+def build_tokenizer() -> Any:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
+    )
+
+
+class CharCodec:
+    """Fast encode/decode for the char vocabulary (same ids as the saved tokenizer)."""
+
+    def __init__(self) -> None:
+        self.ids = {t: i for i, t in enumerate(VOCAB)}
+
+    def encode_prompt(self, text: str) -> np.ndarray:
+        try:
+            return np.asarray([BOS] + [self.ids[c] for c in text], dtype=np.int32)
+        except KeyError as e:
+            raise ValueError(f"character {e.args[0]!r} is not in the vocabulary") from e
+
+    def decode(self, ids: np.ndarray) -> str:
+        return "".join(VOCAB[int(i)] for i in ids if int(i) > EOS)
+
+
+def _model_key(cfg: ModelConfig) -> str:
+    d = cfg.model_dump()
+    d.pop("path")
+    d.pop("cache_dir")
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def ensure_model(cfg: ModelConfig) -> Path:
+    """Path of the tiny model; built with ``save_pretrained`` on first use and cached."""
+    if cfg.path:
+        return Path(cfg.path).expanduser()
+    root = Path(cfg.cache_dir).expanduser()
+    path = root / f"qwen3-tiny-{_model_key(cfg)}"
+    if (path / "config.json").exists():
+        return path
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(cfg.seed)
+    mcfg = Qwen3Config(
+        vocab_size=len(VOCAB),
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        intermediate_size=cfg.intermediate_size,
+        max_position_embeddings=128,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        tie_word_embeddings=False,
+    )
+    model = Qwen3ForCausalLM(mcfg)
+    tmp = root / f".tmp-{os.getpid()}-{path.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp)
+    build_tokenizer().save_pretrained(tmp)
+    try:
+        tmp.rename(path)  # atomic: a concurrent builder either wins or finds the finished dir
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("built tiny Qwen3 model at %s", path)
+    return path
+
+
+def load_model(path: Path, threads: int = 1) -> torch.nn.Module:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    return model  # type: ignore[no-any-return]
+
+
+def pad_right(seqs: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids and attention mask.  Right padding keeps positions of real tokens exact."""
+    import torch
+
+    n = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), n), PAD, dtype=torch.long)
+    mask = torch.zeros((len(seqs), n), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.from_numpy(s.astype(np.int64))
+        mask[i, : len(s)] = 1
+    return ids, mask
+
+
+def response_logprobs(
+    model: torch.nn.Module,
+    prompts: list[np.ndarray],
+    responses: list[np.ndarray],
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token logprobs of each response under ``model`` ([B, Tmax]) and the response mask."""
+    import torch
+
+    seqs = [np.concatenate([p, r]) for p, r in zip(prompts, responses, strict=True)]
+    ids, mask = pad_right(seqs)
+    logits = model(input_ids=ids, attention_mask=mask).logits.float() / temperature
+    logp_all = torch.log_softmax(logits[:, :-1], dim=-1)
+    tok_logp = logp_all.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [B, L-1]
+    tmax = max(len(r) for r in responses)
+    out = torch.zeros((len(seqs), tmax), dtype=tok_logp.dtype)
+    rmask = torch.zeros((len(seqs), tmax), dtype=tok_logp.dtype)
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        if len(r):
+            out[i, : len(r)] = tok_logp[i, len(p) - 1 : len(p) - 1 + len(r)]
+            rmask[i, : len(r)] = 1.0
+    return out, rmask

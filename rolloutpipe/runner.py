@@ -1,0 +1,218 @@
+"""``rolloutpipe run``: every role as a separate OS process against one Redis (embedded by default)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import redis
+
+from rolloutpipe.broker.codec import DEFAULT_CODEC
+from rolloutpipe.broker.embedded import EmbeddedRedis
+from rolloutpipe.broker.events import StepMetrics
+from rolloutpipe.broker.streams import Keys
+from rolloutpipe.config import Config
+from rolloutpipe.errors import CodecError
+
+log = logging.getLogger("rolloutpipe.run")
+
+
+@dataclass
+class RoleProc:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    log_file: IO[bytes]
+
+
+@dataclass
+class Cluster:
+    """The role processes of one run."""
+
+    cfg: Config
+    url: str
+    out: Path
+    procs: list[RoleProc] = field(default_factory=list)
+
+    def spawn(self, role: str, name: str, extra: list[str] | None = None) -> RoleProc:
+        logs = self.out / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        lp = logs / f"{name}.log"
+        lf = lp.open("wb")
+        cmd = [sys.executable, "-m", "rolloutpipe", role, str(self.out / "config.yaml"),
+               "--redis-url", self.url, "--run", self.cfg.run, *(extra or [])]  # fmt: skip
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        env = {k: v for k, v in env.items() if not (k.startswith("RP_") and k != "RP_REDIS_SERVER")}
+        p = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        rp = RoleProc(name, p, lp, lf)
+        self.procs.append(rp)
+        return rp
+
+    def start(self) -> None:
+        self.cfg.dump_yaml(self.out / "config.yaml")
+        self.spawn("trainer", "trainer", ["--out", str(self.out)])
+        self.spawn("aggregator", "aggregator")
+        for i in range(self.cfg.rollout.workers):
+            self.spawn("rollout", f"rollout-{i}", ["--worker-id", f"{self.cfg.run}-w{i}"])
+        self.spawn("controller", "controller")
+
+    def failed(self) -> RoleProc | None:
+        for rp in self.procs:
+            code = rp.proc.poll()
+            if code is not None and code != 0:
+                return rp
+        return None
+
+    def stop(self, grace: float = 10.0) -> None:
+        for rp in self.procs:
+            if rp.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    rp.proc.terminate()
+        deadline = time.monotonic() + grace
+        for rp in self.procs:
+            try:
+                rp.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                rp.proc.kill()
+                rp.proc.wait()
+            rp.log_file.close()
+
+
+def tail(path: Path, n: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def run_cluster(
+    cfg: Config, url: str, out: Path, *, progress: bool = True, timeout_s: float = 3600.0
+) -> list[StepMetrics]:
+    """Start every role, follow the trainer's step metrics on ``control``, stop everything."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.jsonl").unlink(missing_ok=True)
+    r = redis.Redis.from_url(url)
+    keys = Keys(cfg.run)
+    cluster = Cluster(cfg, url, out)
+    metrics: list[StepMetrics] = []
+    bar: Any = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.controller.steps, desc=f"{cfg.run} [{cfg.controller.mode}]", unit="step",
+                   file=sys.stderr, dynamic_ncols=True)  # fmt: skip
+    last_id = "0-0"
+    deadline = time.monotonic() + timeout_s
+    try:
+        cluster.start()
+        while len(metrics) < cfg.controller.steps:
+            bad = cluster.failed()
+            if bad is not None:
+                raise RuntimeError(
+                    f"role {bad.name} exited with code {bad.proc.returncode}; last lines of {bad.log_path}:\n"
+                    + tail(bad.log_path)
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"run {cfg.run} did not finish {cfg.controller.steps} steps in {timeout_s:.0f}s")
+            resp: Any = r.xread({keys.control: last_id}, count=100, block=200)
+            for _stream, items in resp or []:
+                for eid, fields in items:
+                    last_id = eid.decode()
+                    try:
+                        ev = DEFAULT_CODEC.decode(fields.get(b"d", b""))
+                    except CodecError:
+                        continue  # the controller dead-letters bad control entries
+
+                    if isinstance(ev, StepMetrics):
+                        metrics.append(ev)
+                        if bar is not None:
+                            bar.set_postfix(reward=f"{ev.reward_mean:.2f}", wait=f"{ev.trainer_wait_ratio:.2f}",
+                                            r2t=f"{ev.rollout_to_train_end_s:.2f}s")  # fmt: skip
+                            bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+        r.set(keys.done, b"1")
+        cluster.stop()
+        r.close()
+    return metrics
+
+
+SUMMARY_FIELDS = ("step", "reward_mean", "rollout_to_train_end_s", "trainer_wait_ratio", "first_group_s",
+                  "groups", "samples", "fence_rejections", "dead_letters")  # fmt: skip
+
+
+def summary_table(metrics: list[StepMetrics], every: int = 1) -> str:
+    rows = [m for i, m in enumerate(metrics) if i % every == 0 or i == len(metrics) - 1]
+    head = "| " + " | ".join(SUMMARY_FIELDS) + " |"
+    sep = "|" + "|".join("---" for _ in SUMMARY_FIELDS) + "|"
+    lines = [head, sep]
+    for m in rows:
+        d = m.model_dump()
+        lines.append("| " + " | ".join(_fmt(d[f]) for f in SUMMARY_FIELDS) + " |")
+    return "\n".join(lines)
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def write_report(cfg: Config, metrics: list[StepMetrics], out: Path) -> Path:
+    """``report.json`` plus a reward / timing picture (``report.png``)."""
+    rep = {
+        "run": cfg.run,
+        "mode": cfg.controller.mode,
+        "steps": len(metrics),
+        "reward_first": metrics[0].reward_mean if metrics else None,
+        "reward_last": metrics[-1].reward_mean if metrics else None,
+        "reward_best": max((m.reward_mean for m in metrics), default=None),
+        "median_rollout_to_train_end_s": _median([m.rollout_to_train_end_s for m in metrics]),
+        "median_trainer_wait_ratio": _median([m.trainer_wait_ratio for m in metrics]),
+        "fence_rejections": sum(m.fence_rejections for m in metrics),
+        "dead_letters": sum(m.dead_letters for m in metrics),
+    }
+    (out / "report.json").write_text(json.dumps(rep, indent=2))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
+        xs = [m.step for m in metrics]
+        ax[0].plot(xs, [m.reward_mean for m in metrics], marker=".")
+        ax[0].set(title="mean reward", xlabel="step", ylim=(0, 1.05))
+        ax[1].plot(xs, [m.rollout_to_train_end_s for m in metrics], label="rollout-to-train-end (s)")
+        ax[1].plot(xs, [m.trainer_wait_ratio for m in metrics], label="trainer wait ratio")
+        ax[1].set(title=f"timing ({cfg.controller.mode})", xlabel="step")
+        ax[1].legend()
+        fig.tight_layout()
+        fig.savefig(out / "report.png", dpi=100)
+        plt.close(fig)
+    except ImportError:  # matplotlib is a dependency, but a picture is not worth a crash
+        log.warning("matplotlib missing; report.png not written")
+    return out / "report.json"
+
+
+def _median(xs: list[float]) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def run_embedded(cfg: Config, out: Path, url: str = "", progress: bool = True) -> list[StepMetrics]:
+    """Use ``url`` or start a private redis-server for the duration of the run."""
+    if url:
+        return run_cluster(cfg, url, out, progress=progress)
+    with EmbeddedRedis() as er:
+        return run_cluster(cfg, er.url, out, progress=progress)

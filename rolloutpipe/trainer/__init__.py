@@ -1,0 +1,1 @@
+"""GRPO loss, the version fence, the torch backend and weight publishing."""

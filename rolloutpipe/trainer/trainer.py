@@ -1,0 +1,255 @@
+"""The trainer role: groups in (FIFO), optimizer steps out, new policy version published.
+
+``cgp`` / ``cgp-fgd``: forward+backward per group as groups arrive; an optimizer step at each
+mini-batch boundary; mini-batch j is the j-th run of ``groups_per_minibatch`` groups in arrival
+order.  ``sync``: the same computation, started only once the whole rollout batch has arrived.
+
+The fence is enforced here, where groups are consumed.  Group entries are acknowledged only after
+the step's weights are published (the effect is durable).  Every time below is observed: sample
+admission and completion stamped by workers, group reads and compute stamped here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from rolloutpipe.broker.events import Group, PolicyVersion, StepMetrics, StepPlan
+from rolloutpipe.broker.streams import DATA, Broker, Entry, connect
+from rolloutpipe.config import Config
+from rolloutpipe.errors import StaleVersionError
+from rolloutpipe.trainer.backends import Backend, make_backend
+from rolloutpipe.trainer.fence import VersionFence
+
+log = logging.getLogger("rolloutpipe.trainer")
+GROUP = "trainer"
+
+
+@dataclass
+class _Read:
+    entry: Entry
+    group: Group | None
+    read_at: float
+
+
+@dataclass
+class StepClock:
+    """Observed timings of one step."""
+
+    busy: float = 0.0
+    mb_busy: float = 0.0
+    last_mb: float = 0.0
+    last_group: float = 0.0  # compute after the last group arrived: its backward + the final step
+    first_read: float = 0.0
+    step_start: float = float("inf")
+    rollout_end: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    samples: int = 0
+    tokens: int = 0
+
+    def observe(self, g: Group, read_at: float) -> None:
+        if not self.first_read:
+            self.first_read = read_at
+        self.step_start = min(self.step_start, min(s.admitted_at for s in g.samples))
+        last = max(s.finished_at for s in g.samples)
+        self.rollout_end = max(self.rollout_end, last)
+        self.latencies.append(read_at - last)
+        self.rewards.extend(s.reward for s in g.samples)
+        self.samples += len(g.samples)
+        self.tokens += sum(len(s.response_ids) for s in g.samples)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, broker: Broker, backend: Backend, out: Path) -> None:
+        self.cfg = cfg
+        self.b = broker
+        self.k = broker.keys
+        self.backend = backend
+        self.out = out
+        self.weights_root = out / "weights"
+        self.queue: asyncio.Queue[_Read] = asyncio.Queue(maxsize=max(4, 2 * cfg.controller.prompts_per_step))
+        self.record = (out / "groups.msgpack").open("ab") if cfg.trainer.record_groups else None
+
+    async def _reader(self, stop: asyncio.Event) -> None:
+        """Read groups promptly (stamping read time) even while the backend computes."""
+        consumer = "trainer-0"
+        backlog = await self.b.read(self.k.groups, GROUP, consumer, count=10_000, block_ms=1, start="0")
+        while not stop.is_set():
+            entries = backlog or await self.b.read(self.k.groups, GROUP, consumer, count=16,
+                                                   block_ms=self.cfg.redis.block_ms)  # fmt: skip
+            backlog = []
+            for e in entries:
+                now = time.time()
+                ev = await self.b.decode_or_dlq(e, GROUP, (Group,))
+                if ev is None:
+                    continue
+                assert isinstance(ev, Group)
+                await self.queue.put(_Read(e, ev, now))
+
+    async def publish(self, version: int) -> PolicyVersion:
+        pv = await asyncio.to_thread(self.backend.publish, self.weights_root, self.b.run, version)
+        raw = self.b.encode(pv)
+        pipe = self.b.r.pipeline(transaction=True)
+        pipe.set(self.k.version, raw)
+        pipe.xadd(self.k.control, {DATA: raw}, maxlen=self.b.maxlen, approximate=True)
+        await pipe.execute()
+        log.info("published policy version %d", version)
+        return pv
+
+    async def wait_plan(self, step: int, stop: asyncio.Event) -> StepPlan | None:
+        while not stop.is_set():
+            plan = await self.b.get_event(self.k.plan(step), StepPlan)
+            if plan is not None:
+                return plan
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.01)
+        return None
+
+    async def train_minibatch(self, groups: list[Group], clock: StepClock) -> dict[str, float]:
+        t0 = time.time()
+        tg = t0
+        for g in groups:
+            tg = time.time()
+            await asyncio.to_thread(self.backend.accumulate, g)
+        stats = await asyncio.to_thread(self.backend.optimizer_step)
+        clock.last_group = time.time() - tg
+        dt = time.time() - t0
+        clock.busy += dt
+        clock.last_mb = dt
+        return stats
+
+    async def train_step(self, step: int, plan: StepPlan, stop: asyncio.Event) -> StepMetrics | None:
+        fence = VersionFence(step)
+        await asyncio.to_thread(self.backend.begin_step, step)
+        gpm = plan.groups_per_minibatch
+        clock = StepClock()
+        consumed: list[str] = []
+        entry_ids: list[str] = []
+        pending: list[Group] = []
+        minibatches: list[list[str]] = []
+        seen = {m.decode() for m in await self.b.r.smembers(self.k.consumed(step))}
+        while len(consumed) < plan.n_groups:
+            if stop.is_set():
+                return None
+            try:
+                item = await asyncio.wait_for(self.queue.get(), 0.1)
+            except TimeoutError:
+                continue
+            g = item.group
+            assert g is not None
+            try:
+                fence.check(g)
+            except StaleVersionError as e:
+                await self.b.dead_letter(item.entry, f"fence: {e}", step=step, policy_version=g.policy_version,
+                                         counter="fence_rejections")  # fmt: skip
+                await self.b.ack(self.k.groups, GROUP, item.entry.id)
+                continue
+            if g.group_id in seen:
+                log.warning("group %s already consumed; acknowledging the duplicate", g.group_id)
+                await self.b.incr("duplicate_groups", step=step)
+                await self.b.ack(self.k.groups, GROUP, item.entry.id)
+                continue
+            seen.add(g.group_id)
+            consumed.append(g.group_id)
+            entry_ids.append(item.entry.id)
+            clock.observe(g, item.read_at)
+            if self.record is not None:
+                self.record.write(self.b.encode(g))
+            pending.append(g)
+            if plan.mode != "sync":  # CGP: train each group as it arrives, step at the boundary
+                tg = time.time()
+                await asyncio.to_thread(self.backend.accumulate, g)
+                clock.mb_busy += time.time() - tg
+                if len(pending) == gpm:
+                    t0 = time.time()
+                    await asyncio.to_thread(self.backend.optimizer_step)
+                    clock.mb_busy += time.time() - t0
+                    clock.last_group = time.time() - tg
+                    clock.busy += clock.mb_busy
+                    clock.last_mb, clock.mb_busy = clock.mb_busy, 0.0
+                    minibatches.append([x.group_id for x in pending])
+                    pending = []
+        if plan.mode == "sync":
+            for i in range(0, len(pending), gpm):
+                mb = pending[i : i + gpm]
+                await self.train_minibatch(mb, clock)
+                minibatches.append([x.group_id for x in mb])
+            pending = []
+        train_end = time.time()
+        if self.record is not None:
+            self.record.flush()
+        await self.publish(step + 1)
+        pipe = self.b.r.pipeline(transaction=True)
+        if consumed:
+            pipe.sadd(self.k.consumed(step), *consumed)
+        pipe.xack(self.k.groups, GROUP, *entry_ids)
+        await pipe.execute()
+        window = max(train_end - clock.step_start, 1e-9)
+        lat = np.asarray(clock.latencies or [0.0])
+        return StepMetrics(
+            run=self.b.run, step=step, policy_version=step, mode=plan.mode,
+            rollout_to_train_end_s=window,
+            trainer_wait_ratio=max(0.0, window - clock.busy) / window,
+            first_group_s=clock.first_read - clock.step_start,
+            reward_mean=float(np.mean(clock.rewards)) if clock.rewards else 0.0,
+            groups=len(consumed), samples=clock.samples, tokens=clock.tokens,
+            fence_rejections=await self.b.stat("fence_rejections", step),
+            dead_letters=await self.b.stat("dead_letters", step),
+            train_busy_s=clock.busy, rollout_makespan_s=clock.rollout_end - clock.step_start,
+            last_minibatch_train_s=clock.last_mb, last_group_train_s=clock.last_group,
+            dispatch_latency_p50_s=float(np.percentile(lat, 50)),
+            dispatch_latency_p99_s=float(np.percentile(lat, 99)),
+            minibatches=minibatches, step_start=clock.step_start, train_end=train_end,
+        )  # fmt: skip
+
+    async def run(self, stop: asyncio.Event) -> int:
+        await self.b.ensure_group(self.k.groups, GROUP)
+        self.out.mkdir(parents=True, exist_ok=True)
+        pv = await self.b.get_event(self.k.version, PolicyVersion)
+        version = 0 if pv is None else pv.policy_version
+        if pv is None:
+            await self.publish(0)
+        reader = asyncio.create_task(self._reader(stop))
+        metrics_path = self.out / "metrics.jsonl"
+        try:
+            for step in range(version, self.cfg.controller.steps):
+                plan = await self.wait_plan(step, stop)
+                if plan is None:
+                    break
+                m = await self.train_step(step, plan, stop)
+                if m is None:
+                    break
+                with metrics_path.open("a") as f:
+                    f.write(json.dumps(m.model_dump(mode="json", exclude={"kind", "schema_version"})) + "\n")
+                await self.b.publish(self.k.control, m)
+                log.info("step %d: reward %.3f, %.2fs rollout-to-train-end, wait ratio %.2f",
+                         step, m.reward_mean, m.rollout_to_train_end_s, m.trainer_wait_ratio)  # fmt: skip
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            if self.record is not None:
+                self.record.close()
+        return 0
+
+
+async def run_trainer(cfg: Config, url: str, run: str, out: Path, stop: asyncio.Event) -> int:
+    r = connect(url)
+    try:
+        broker = Broker(r, run, "trainer", maxlen=cfg.redis.maxlen)
+        if cfg.trainer.backend == "torch":
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+        backend = await asyncio.to_thread(make_backend, cfg)
+        return await Trainer(cfg, broker, backend, out).run(stop)
+    finally:
+        await r.aclose()

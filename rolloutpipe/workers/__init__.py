@@ -1,0 +1,1 @@
+"""Controller, rollout worker, aggregator, engines and allocation policies."""

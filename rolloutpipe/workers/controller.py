@@ -1,0 +1,186 @@
+"""The controller: turns the dataset into rollout requests for step k, in one of three modes.
+
+* ``sync`` and ``cgp`` release every request of the step at once, in plain FIFO (dataset) order;
+* ``cgp-fgd`` (frontier-group dispatch) holds requests back and admits them only as engine
+  capacity frees, frontier groups first: groups already under way and groups that the next
+  mini-batch needs go before later groups, and leftover capacity is filled with later groups.
+
+Step k starts only once policy version k is published (the trainer's fence makes that binding).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import OrderedDict
+
+from rolloutpipe.broker.events import PolicyVersion, RolloutRequest, StepMetrics, StepPlan
+from rolloutpipe.broker.streams import DATA, Broker, connect
+from rolloutpipe.config import Config
+from rolloutpipe.workers.task import Prompt, load_dataset
+
+log = logging.getLogger("rolloutpipe.controller")
+
+
+def build_requests(cfg: Config, run: str, step: int, prompts: list[Prompt]) -> list[RolloutRequest]:
+    """Requests of step ``step`` in group-major order (all samples of group 0, then group 1, …)."""
+    cc = cfg.controller
+    B, G = cc.prompts_per_step, cc.group_size
+    gpm = B // cc.minibatches
+    now = time.time()
+    out = []
+    for g in range(B):
+        pidx = (step * B + g) % len(prompts)
+        p = prompts[pidx]
+        gid = f"{step}:{g}"
+        for s in range(G):
+            out.append(
+                RolloutRequest(
+                    run=run, step=step, policy_version=step, request_id=f"{gid}:{s}", group_id=gid,
+                    prompt_index=pidx, sample_index=s, group_size=G, prompt=p.text, answer=p.answer,
+                    seed=(cc.seed * 1_000_003 + step * 10_007 + g * 101 + s) % (2**31),
+                    max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                    minibatch_hint=g // gpm, released_at=now,
+                )  # fmt: skip
+            )
+    return out
+
+
+class Controller:
+    def __init__(self, cfg: Config, broker: Broker) -> None:
+        self.cfg = cfg
+        self.b = broker
+        self.k = broker.keys
+        self.prompts = load_dataset(cfg.task.dataset, cfg.task.num_prompts, cfg.task.seed)
+
+    async def version(self) -> int:
+        raw = await self.b.r.get(self.k.version)
+        return -1 if raw is None else self.b.codec.decode_as(raw, PolicyVersion).policy_version
+
+    async def wait_version(self, v: int, stop: asyncio.Event) -> bool:
+        while not stop.is_set():
+            if await self.version() >= v:
+                return True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.01)
+        return False
+
+    async def capacity(self) -> int:
+        """Sum of live workers' slots, from their heartbeat keys (TTL'd)."""
+        total = 0
+        async for key in self.b.r.scan_iter(match=self.k.heartbeat_pattern(), count=100):
+            raw = await self.b.r.get(key)
+            if raw:
+                with contextlib.suppress(ValueError, KeyError):
+                    total += int(json.loads(raw)["capacity"])
+        return total
+
+    async def audit_control(self, stop: asyncio.Event) -> None:
+        """Consume ``control`` (group ``controller``): anything that is not a control event goes to dlq."""
+        await self.b.ensure_group(self.k.control, "controller")
+        while not stop.is_set():
+            entries = await self.b.read(self.k.control, "controller", "controller", count=64, block_ms=200)
+            for e in entries:
+                ev = await self.b.decode_or_dlq(e, "controller", (StepPlan, PolicyVersion, StepMetrics))
+                if ev is not None:
+                    await self.b.ack(self.k.control, "controller", e.id)
+
+    async def run(self, stop: asyncio.Event) -> int:
+        audit = asyncio.create_task(self.audit_control(stop))
+        try:
+            return await self._run(stop)
+        finally:
+            audit.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await audit
+
+    async def _run(self, stop: asyncio.Event) -> int:
+        cc = self.cfg.controller
+        start = max(0, await self.version())
+        for step in range(start, cc.steps):
+            if not await self.wait_version(step, stop):
+                return 0
+            if await self.b.r.exists(self.k.plan(step)):
+                log.info("step %d already planned (restart); not re-releasing", step)
+            else:
+                await self.release_step(step, stop)
+            if not await self.wait_version(step + 1, stop):
+                return 0
+        await self.b.r.set(self.k.done, b"1")
+        log.info("all %d steps done", cc.steps)
+        return 0
+
+    async def release_step(self, step: int, stop: asyncio.Event) -> None:
+        cc = self.cfg.controller
+        plan = StepPlan(
+            run=self.b.run, step=step, policy_version=step, mode=cc.mode, n_groups=cc.prompts_per_step,
+            group_size=cc.group_size, minibatches=cc.minibatches, created_at=time.time(),
+        )  # fmt: skip
+        raw = self.b.encode(plan)
+        pipe = self.b.r.pipeline(transaction=True)
+        pipe.set(self.k.plan(step), raw)
+        pipe.xadd(self.k.control, {DATA: raw}, maxlen=self.b.maxlen, approximate=True)
+        await pipe.execute()
+        reqs = build_requests(self.cfg, self.b.run, step, self.prompts)
+        if cc.mode in ("sync", "cgp"):
+            await self._release(step, reqs)
+        else:
+            await self._release_fgd(step, reqs, stop)
+        log.info("step %d: %d requests released (%s)", step, len(reqs), cc.mode)
+
+    async def _release(self, step: int, reqs: list[RolloutRequest]) -> None:
+        if not reqs:
+            return
+        now = time.time()
+        pipe = self.b.r.pipeline(transaction=False)
+        for rq in reqs:
+            rq.released_at = now
+            pipe.xadd(self.k.requests, {DATA: self.b.encode(rq)}, maxlen=self.b.maxlen, approximate=True)
+        pipe.incrby(self.k.released(step), len(reqs))
+        await pipe.execute()
+
+    async def _release_fgd(self, step: int, reqs: list[RolloutRequest], stop: asyncio.Event) -> None:
+        """Admit as capacity frees: frontier groups first, then fill with later groups."""
+        by_group: OrderedDict[str, list[RolloutRequest]] = OrderedDict()
+        for rq in reqs:
+            by_group.setdefault(rq.group_id, []).append(rq)
+        started: set[str] = set()
+        released = 0
+        cap = 0
+        cap_checked = 0.0
+        while by_group and not stop.is_set():
+            now = time.monotonic()
+            if now - cap_checked > 0.5 or cap == 0:
+                cap = await self.capacity()
+                cap_checked = now
+            finished = int(await self.b.r.get(self.k.finished(step)) or 0)
+            free = (cap or 1) + self.cfg.controller.fgd_slack - (released - finished)
+            if free <= 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 0.005)
+                continue
+            batch: list[RolloutRequest] = []
+            # frontier: groups already under way (finish them first), then groups in mini-batch order
+            order = sorted(by_group, key=lambda g: (g not in started, by_group[g][0].minibatch_hint))
+            for gid in order:
+                while free > 0 and by_group[gid]:
+                    batch.append(by_group[gid].pop(0))
+                    started.add(gid)
+                    free -= 1
+                if not by_group[gid]:
+                    del by_group[gid]
+                if free <= 0:
+                    break
+            await self._release(step, batch)
+            released += len(batch)
+
+
+async def run_controller(cfg: Config, url: str, run: str, stop: asyncio.Event) -> int:
+    r = connect(url)
+    try:
+        return await Controller(cfg, Broker(r, run, "controller", maxlen=cfg.redis.maxlen)).run(stop)
+    finally:
+        await r.aclose()

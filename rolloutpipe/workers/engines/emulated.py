@@ -1,0 +1,144 @@
+"""An emulated continuous-batching engine, for benchmarks with an honest wall clock.
+
+Model: at most ``max_num_seqs`` sequences run at once; every decode step advances each running
+sequence by one token and takes ``decode_base_s + decode_per_seq_s * running`` seconds; a request
+joining the batch adds a prefill cost proportional to its prompt length.  Response lengths are
+drawn from a long-tailed (log-normal) distribution truncated at ``max_response_tokens``.
+Emulated seconds are multiplied by ``time_scale`` and actually slept through.
+
+Between events (an arrival or a completion) the batch is constant, so the engine jumps straight
+to the next event instead of sleeping once per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rolloutpipe.broker.events import PolicyVersion, RolloutRequest
+from rolloutpipe.config import EmulatedEngineConfig
+from rolloutpipe.workers.engines.base import Generation
+
+
+def _rng(*parts: object) -> np.random.Generator:
+    h = hashlib.sha256("|".join(map(str, parts)).encode()).digest()
+    return np.random.default_rng(int.from_bytes(h[:8], "little"))
+
+
+@dataclass
+class _Seq:
+    req: RolloutRequest
+    length: int
+    correct: bool
+    fut: asyncio.Future[Generation]
+    done_tokens: float = 0.0
+    prefill_left: float = 0.0  # emulated seconds of prefill still to pay
+    started: float = field(default_factory=time.monotonic)
+
+
+class EmulatedEngine:
+    def __init__(self, cfg: EmulatedEngineConfig, seed: int = 0) -> None:
+        self.cfg = cfg
+        self.seed = seed
+        self.running: list[_Seq] = []
+        self.waiting: list[_Seq] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.busy_s = 0.0  # wall seconds with at least one running sequence
+
+    @property
+    def capacity(self) -> int:
+        return self.cfg.max_num_seqs
+
+    def response_length(self, req: RolloutRequest) -> int:
+        c = self.cfg
+        r = _rng(self.seed, req.request_id, "len")
+        n = int(round(math.exp(math.log(c.length_median) + c.length_sigma * r.standard_normal())))
+        return max(1, min(n, c.max_response_tokens))
+
+    def pass_rate(self, req: RolloutRequest) -> float:
+        r = _rng(self.seed, req.prompt_index, req.prompt, "difficulty")
+        return float(r.beta(self.cfg.pass_rate_alpha, self.cfg.pass_rate_beta))
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def generate(self, req: RolloutRequest) -> Generation:
+        if self._task is None:
+            await self.start()
+        fut: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
+        length = self.response_length(req)
+        correct = bool(_rng(self.seed, req.request_id, "reward").random() < self.pass_rate(req))
+        seq = _Seq(req, length, correct, fut, prefill_left=self.cfg.prefill_per_token_s * self.cfg.prompt_tokens)
+        self.waiting.append(seq)
+        self._wake.set()
+        return await fut
+
+    def _step_time(self, batch: int) -> float:
+        return self.cfg.decode_base_s + self.cfg.decode_per_seq_s * batch
+
+    async def _loop(self) -> None:
+        scale = self.cfg.time_scale
+        while True:
+            while len(self.running) < self.cfg.max_num_seqs and self.waiting:
+                self.running.append(self.waiting.pop(0))
+            if not self.running:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            # Prefill of newly admitted sequences stalls the whole batch (as in a real engine).
+            prefill = sum(s.prefill_left for s in self.running)
+            for s in self.running:
+                s.prefill_left = 0.0
+            dt_tok = self._step_time(len(self.running))
+            tokens_to_next = min(s.length - s.done_tokens for s in self.running)
+            emu = prefill + dt_tok * max(tokens_to_next, 0.0)
+            self._wake.clear()
+            t0 = time.monotonic()
+            with contextlib.suppress(TimeoutError):
+                # an arrival interrupts the interval so it can join the batch (continuous batching)
+                await asyncio.wait_for(self._wake.wait(), timeout=emu * scale)
+            elapsed_emu = (time.monotonic() - t0) / scale
+            self.busy_s += time.monotonic() - t0
+            advanced = max(0.0, elapsed_emu - prefill) / dt_tok
+            still: list[_Seq] = []
+            for s in self.running:
+                s.done_tokens += advanced
+                if s.done_tokens >= s.length - 1e-6:
+                    self._finish(s)
+                else:
+                    still.append(s)
+            self.running = still
+
+    def _finish(self, s: _Seq) -> None:
+        if s.fut.done():
+            return
+        r = _rng(self.seed, s.req.request_id, "tokens")
+        ids = r.integers(3, 18, size=s.length, dtype=np.int32)
+        logprobs = np.log(r.uniform(0.2, 1.0, size=s.length)).astype(np.float32)
+        text = s.req.answer if s.correct else "x"
+        reason = "length" if s.length >= self.cfg.max_response_tokens else "stop"
+        s.fut.set_result(
+            Generation(np.zeros(self.cfg.prompt_tokens // 64 + 1, np.int32), ids, logprobs, text, reason)
+        )
+
+    async def load_weights(self, pv: PolicyVersion) -> None:
+        if pv.sha256:  # the emulated trainer publishes no files; real files are still verified
+            from rolloutpipe.trainer.weights import verify_weights
+
+            await asyncio.to_thread(verify_weights, pv)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for s in self.running + self.waiting:
+            if not s.fut.done():
+                s.fut.cancel()

@@ -1,0 +1,182 @@
+"""The rollout worker: reads requests (consumer group ``rollout``), generates, publishes samples.
+
+* Admission is pull-based: the worker reads only as many requests as it has free engine slots,
+  so the controller's order (FIFO or frontier-first) is the order engines admit.
+* A sample is published and its request acknowledged in one MULTI/EXEC, so a request is
+  either still pending (and will be redone) or done, never half-done.
+* A heartbeat key with a TTL says the worker is alive; the worker also resets the idle time of
+  the requests it still works on, so only a dead worker's requests go idle long enough to be
+  taken over with XAUTOCLAIM by a live one.
+* Weights are switched only to a verified version, and only between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+
+from rolloutpipe.broker.events import PolicyVersion, RolloutRequest, Sample
+from rolloutpipe.broker.streams import DATA, Broker, Entry, connect
+from rolloutpipe.config import Config
+from rolloutpipe.errors import WeightsVerificationError
+from rolloutpipe.workers.engines import Engine, make_engine
+from rolloutpipe.workers.task import import_string
+
+log = logging.getLogger("rolloutpipe.rollout")
+GROUP = "rollout"
+
+
+class RolloutWorker:
+    def __init__(self, cfg: Config, broker: Broker, engine: Engine, worker_id: str) -> None:
+        self.cfg = cfg
+        self.b = broker
+        self.k = broker.keys
+        self.engine = engine
+        self.id = worker_id
+        self.verifier: Callable[[str, str], float] = import_string(cfg.task.verifier)
+        self.version = -1
+        self.inflight: dict[str, asyncio.Task[None]] = {}
+        self.samples = 0
+
+    async def heartbeat(self, stop: asyncio.Event) -> None:
+        rc = self.cfg.rollout
+        ttl = max(1, int(rc.heartbeat_s * 3 + 0.999))
+        while not stop.is_set():
+            info = {"capacity": self.engine.capacity, "inflight": len(self.inflight),
+                    "version": self.version, "samples": self.samples, "pid": os.getpid(),
+                    "host": socket.gethostname(), "t": time.time()}  # fmt: skip
+            await self.b.r.set(self.k.heartbeat(self.id), json.dumps(info).encode(), ex=ttl)
+            await self.b.touch(self.k.requests, GROUP, self.id, list(self.inflight))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), rc.heartbeat_s)
+        await self.b.r.delete(self.k.heartbeat(self.id))
+
+    async def ensure_version(self, want: int, stop: asyncio.Event) -> bool:
+        """Load verified weights of version ``want`` (waiting for them to be published)."""
+        while self.version < want and not stop.is_set():
+            raw = await self.b.r.get(self.k.version)
+            pv = self.b.codec.decode_as(raw, PolicyVersion) if raw else None
+            if pv is None or pv.policy_version < want:
+                await asyncio.sleep(0.01)
+                continue
+            if self.inflight:  # finish (or fail) the old version's work before switching
+                await asyncio.gather(*self.inflight.values(), return_exceptions=True)
+            try:
+                await self.engine.load_weights(pv)
+            except WeightsVerificationError as e:
+                log.error("refusing policy version %d: %s; staying on %d", pv.policy_version, e, self.version)
+                await self.b.incr("weight_rejections")
+                await asyncio.sleep(0.5)
+                continue
+            self.version = pv.policy_version
+            log.info("worker %s now on policy version %d", self.id, self.version)
+        return self.version >= want
+
+    async def handle(self, entry: Entry, req: RolloutRequest) -> None:
+        try:
+            admitted = time.time()
+            gen = await self.engine.generate(req)
+            if self.version != req.policy_version:
+                await self.b.dead_letter(entry, f"weights changed to {self.version} during generation",
+                                         step=req.step, policy_version=req.policy_version,
+                                         counter="fence_rejections")  # fmt: skip
+                await self.b.ack(self.k.requests, GROUP, entry.id)
+                return
+            reward = float(self.verifier(gen.text, req.answer))
+            sample = Sample(
+                run=req.run, step=req.step, policy_version=self.version, sample_id=req.request_id,
+                request_id=req.request_id, group_id=req.group_id, prompt_index=req.prompt_index,
+                sample_index=req.sample_index, group_size=req.group_size, worker=self.id,
+                prompt_ids=gen.prompt_ids, response_ids=gen.response_ids, logprobs=gen.logprobs,
+                reward=reward, finish_reason=gen.finish_reason, admitted_at=admitted, finished_at=time.time(),
+            )  # fmt: skip
+            pipe = self.b.r.pipeline(transaction=True)
+            pipe.xadd(self.k.samples, {DATA: self.b.encode(sample)}, maxlen=self.b.maxlen, approximate=True)
+            pipe.xack(self.k.requests, GROUP, entry.id)
+            pipe.incr(self.k.finished(req.step))
+            await pipe.execute()
+            self.samples += 1
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # Left pending (not acknowledged): after claim_idle_s a live worker reclaims and redoes it.
+            log.exception("request %s failed; left pending for another attempt", req.request_id)
+            with contextlib.suppress(Exception):
+                await self.b.incr("generation_errors")
+        finally:
+            self.inflight.pop(entry.id, None)
+
+    async def admit(self, entry: Entry, stop: asyncio.Event) -> None:
+        ev = await self.b.decode_or_dlq(entry, GROUP, (RolloutRequest,))
+        if ev is None:
+            return
+        assert isinstance(ev, RolloutRequest)
+        if ev.policy_version > self.version and not await self.ensure_version(ev.policy_version, stop):
+            return  # stopping; the entry stays pending and will be reclaimed
+        if ev.policy_version < self.version:
+            await self.b.dead_letter(entry, f"stale request: policy_version {ev.policy_version} < worker's "
+                                     f"{self.version}", step=ev.step, policy_version=ev.policy_version,
+                                     counter="fence_rejections")  # fmt: skip
+            await self.b.ack(self.k.requests, GROUP, entry.id)
+            return
+        if entry.id in self.inflight:
+            return
+        self.inflight[entry.id] = asyncio.create_task(self.handle(entry, ev))
+
+    async def run(self, stop: asyncio.Event) -> int:
+        rc = self.cfg.rollout
+        await self.b.ensure_group(self.k.requests, GROUP)
+        await self.engine.start()
+        hb = asyncio.create_task(self.heartbeat(stop))
+        # own pending entries first (a restarted worker with the same id), then new ones
+        backlog = await self.b.read(self.k.requests, GROUP, self.id, count=10_000, block_ms=1, start="0")
+        last_claim = 0.0
+        try:
+            while not stop.is_set() and not await self.b.r.exists(self.k.done):
+                free = self.engine.capacity - len(self.inflight)
+                if free <= 0:
+                    await asyncio.sleep(0.002)
+                    continue
+                entries: list[Entry] = []
+                if backlog:
+                    entries, backlog = backlog[:free], backlog[free:]
+                elif time.monotonic() - last_claim > rc.claim_idle_s / 2:
+                    last_claim = time.monotonic()
+                    entries = await self.b.autoclaim(self.k.requests, GROUP, self.id,
+                                                     min_idle_ms=int(rc.claim_idle_s * 1000), count=free)
+                    if entries:
+                        log.warning("worker %s reclaimed %d abandoned requests", self.id, len(entries))
+                        await self.b.incr("reclaimed_requests", by=len(entries))
+                if not entries:
+                    entries = await self.b.read(self.k.requests, GROUP, self.id, count=free,
+                                                block_ms=self.cfg.redis.block_ms)  # fmt: skip
+                for e in entries:
+                    await self.admit(e, stop)
+        finally:
+            stop.set()
+            for t in self.inflight.values():
+                t.cancel()
+            await asyncio.gather(*self.inflight.values(), return_exceptions=True)
+            await hb
+            await self.engine.close()
+        return 0
+
+
+def default_worker_id() -> str:
+    return os.environ.get("RP_WORKER_ID") or f"{socket.gethostname()}-{os.getpid()}"
+
+
+async def run_rollout(cfg: Config, url: str, run: str, stop: asyncio.Event, worker_id: str = "") -> int:
+    r = connect(url)
+    try:
+        broker = Broker(r, run, "rollout", maxlen=cfg.redis.maxlen)
+        worker = RolloutWorker(cfg, broker, make_engine(cfg), worker_id or default_worker_id())
+        return await worker.run(stop)
+    finally:
+        await r.aclose()

@@ -1,0 +1,84 @@
+"""Tests talk to a real redis-server started for the session on a free loopback port (never 6379)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from rolloutpipe.broker.embedded import EmbeddedRedis
+from rolloutpipe.broker.streams import Broker, connect
+from rolloutpipe.config import Config, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis() as er:
+        assert er.port != 6379
+        yield er
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server: EmbeddedRedis) -> str:
+    return redis_server.url
+
+
+@pytest.fixture()
+def run_name() -> str:
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture()
+async def ar(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    r = connect(redis_url)
+    yield r
+    await r.aclose()
+
+
+@pytest.fixture()
+def sr(redis_url: str) -> Iterator[redis.Redis]:
+    r = redis.Redis.from_url(redis_url)
+    yield r
+    r.close()
+
+
+@pytest.fixture()
+async def broker(ar: aioredis.Redis, run_name: str) -> Broker:
+    return Broker(ar, run_name, "test")
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Shared cache of the tiny model (built once per session, no download)."""
+    env = os.environ.get("RP_TEST_MODEL_CACHE")
+    return env or str(tmp_path_factory.mktemp("models"))
+
+
+def make_config(tmp_path: Path, run: str, *overrides: str, base: str = "configs/demo.yaml") -> Config:
+    return load_config(ROOT / base, [f"run={run}", f"out={tmp_path / run}", *overrides], environ={})
+
+
+EMULATED_FAST = (
+    "rollout.engine=emulated",
+    "trainer.backend=emulated",
+    "rollout.workers=2",
+    "rollout.emulated.max_num_seqs=16",
+    "rollout.emulated.length_median=200",
+    "rollout.emulated.length_sigma=0.8",
+    "rollout.emulated.max_response_tokens=2000",
+    "rollout.emulated.time_scale=0.01",
+    "trainer.emulated.time_scale=0.01",
+    "trainer.emulated.tokens_per_s=20000",
+    "controller.prompts_per_step=8",
+    "controller.group_size=4",
+    "controller.minibatches=2",
+    "rollout.claim_idle_s=2.0",
+    "rollout.heartbeat_s=0.3",
+)
