@@ -18,9 +18,17 @@ from rolloutpipe.config import MODES, Config, load_config
 from rolloutpipe.runner import run_cluster
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "bench-quick.yaml"
-KEYS = ("rollout_to_train_end_s", "trainer_wait_ratio", "first_group_s", "dispatch_latency_p50_s",
-        "dispatch_latency_p99_s", "rollout_makespan_s", "last_minibatch_train_s", "last_group_train_s",
-        "train_busy_s")  # fmt: skip
+KEYS = (
+    "rollout_to_train_end_s",
+    "trainer_wait_ratio",
+    "first_group_s",
+    "dispatch_latency_p50_s",
+    "dispatch_latency_p99_s",
+    "rollout_makespan_s",
+    "last_minibatch_train_s",
+    "last_group_train_s",
+    "train_busy_s",
+)
 
 
 def _median_metrics(ms: list[StepMetrics], skip_first: bool) -> dict[str, float]:
@@ -29,7 +37,9 @@ def _median_metrics(ms: list[StepMetrics], skip_first: bool) -> dict[str, float]
     # No schedule that trains group by group can end before the last group exists and has been
     # trained on, plus the final optimizer step (see docs/architecture.md on the ideal bound).
     out["ideal_bound_s"] = statistics.median(m.rollout_makespan_s + m.last_group_train_s for m in use)
-    out["ideal_bound_minibatch_s"] = statistics.median(m.rollout_makespan_s + m.last_minibatch_train_s for m in use)
+    out["ideal_bound_minibatch_s"] = statistics.median(
+        m.rollout_makespan_s + m.last_minibatch_train_s for m in use
+    )
     out["steps_measured"] = len(use)
     return out
 
@@ -46,7 +56,9 @@ def table(setting: dict[str, Any]) -> str:
     for mode in MODES:
         m = modes[mode]
         red_t = 1 - m["rollout_to_train_end_s"] / base["rollout_to_train_end_s"]
-        red_w = 1 - m["trainer_wait_ratio"] / base["trainer_wait_ratio"] if base["trainer_wait_ratio"] else 0.0
+        red_w = (
+            1 - m["trainer_wait_ratio"] / base["trainer_wait_ratio"] if base["trainer_wait_ratio"] else 0.0
+        )
         gap = base["rollout_to_train_end_s"] - ideal
         cap = (base["rollout_to_train_end_s"] - m["rollout_to_train_end_s"]) / gap if gap > 0 else 0.0
         m["reduction_vs_sync"] = red_t
@@ -57,7 +69,9 @@ def table(setting: dict[str, Any]) -> str:
             f"{red_w:+.1%} | {cap:.0%} | {m['first_group_s']:.2f} | "
             f"{m['dispatch_latency_p50_s']:.3f} / {m['dispatch_latency_p99_s']:.3f} |"
         )
-    lines.append(f"\nideal bound (rollout makespan + training after the last group arrives, sync run): {ideal:.2f} s")
+    lines.append(
+        f"\nideal bound (rollout makespan + training after the last group arrives, sync run): {ideal:.2f} s"
+    )
     return "\n".join(lines)
 
 
@@ -73,8 +87,15 @@ def run_setting(cfg: Config, url: str, out: Path, name: str, progress: bool) -> 
     return {"name": name, "ideal_bound_s": modes["sync"]["ideal_bound_s"], "modes": modes}
 
 
-def run_bench(config: str | None, out: Path, overrides: list[str], *, steps: int | None = None,
-              url: str = "", progress: bool = True) -> int:  # fmt: skip
+def run_bench(
+    config: str | None,
+    out: Path,
+    overrides: list[str],
+    *,
+    steps: int | None = None,
+    url: str = "",
+    progress: bool = True,
+) -> int:
     extra = [f"controller.steps={steps}"] if steps is not None else []
     cfg = load_config(config or DEFAULT_CONFIG, [*overrides, *extra])
     out.mkdir(parents=True, exist_ok=True)

@@ -83,8 +83,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from rolloutpipe.bench import run_bench
 
     setup_logging("WARNING", "bench")
-    return run_bench(args.config or None, Path(args.out), args.overrides, steps=args.steps,
-                     url=args.redis_url, progress=not args.no_progress)  # fmt: skip
+    return run_bench(
+        args.config or None,
+        Path(args.out),
+        args.overrides,
+        steps=args.steps,
+        url=args.redis_url,
+        progress=not args.no_progress,
+    )
 
 
 def cmd_role(args: argparse.Namespace) -> int:
@@ -120,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")
     args.overrides = [*getattr(args, "overrides", []), *unknown]
+    if args.cmd == "bench" and "=" in args.config:  # `bench a.b=c`: no config, just overrides
+        args.overrides.insert(0, args.config)
+        args.config = ""
     try:
         if args.cmd == "run":
             return cmd_run(args)

@@ -35,7 +35,7 @@ def build_tokenizer() -> Any:
     tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
     )
 
@@ -108,9 +108,9 @@ def load_model(path: Path, threads: int = 1) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()
-    return model  # type: ignore[no-any-return]
+    return model
 
 
 def pad_right(seqs: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,8 +47,18 @@ class Cluster:
         logs.mkdir(parents=True, exist_ok=True)
         lp = logs / f"{name}.log"
         lf = lp.open("wb")
-        cmd = [sys.executable, "-m", "rolloutpipe", role, str(self.out / "config.yaml"),
-               "--redis-url", self.url, "--run", self.cfg.run, *(extra or [])]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "rolloutpipe",
+            role,
+            str(self.out / "config.yaml"),
+            "--redis-url",
+            self.url,
+            "--run",
+            self.cfg.run,
+            *(extra or []),
+        ]
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         env = {k: v for k, v in env.items() if not (k.startswith("RP_") and k != "RP_REDIS_SERVER")}
         p = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -107,8 +117,13 @@ def run_cluster(
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.controller.steps, desc=f"{cfg.run} [{cfg.controller.mode}]", unit="step",
-                   file=sys.stderr, dynamic_ncols=True)  # fmt: skip
+        bar = tqdm(
+            total=cfg.controller.steps,
+            desc=f"{cfg.run} [{cfg.controller.mode}]",
+            unit="step",
+            file=sys.stderr,
+            dynamic_ncols=True,
+        )
     last_id = "0-0"
     deadline = time.monotonic() + timeout_s
     try:
@@ -121,7 +136,9 @@ def run_cluster(
                     + tail(bad.log_path)
                 )
             if time.monotonic() > deadline:
-                raise TimeoutError(f"run {cfg.run} did not finish {cfg.controller.steps} steps in {timeout_s:.0f}s")
+                raise TimeoutError(
+                    f"run {cfg.run} did not finish {cfg.controller.steps} steps in {timeout_s:.0f}s"
+                )
             resp: Any = r.xread({keys.control: last_id}, count=100, block=200)
             for _stream, items in resp or []:
                 for eid, fields in items:
@@ -134,8 +151,11 @@ def run_cluster(
                     if isinstance(ev, StepMetrics):
                         metrics.append(ev)
                         if bar is not None:
-                            bar.set_postfix(reward=f"{ev.reward_mean:.2f}", wait=f"{ev.trainer_wait_ratio:.2f}",
-                                            r2t=f"{ev.rollout_to_train_end_s:.2f}s")  # fmt: skip
+                            bar.set_postfix(
+                                reward=f"{ev.reward_mean:.2f}",
+                                wait=f"{ev.trainer_wait_ratio:.2f}",
+                                r2t=f"{ev.rollout_to_train_end_s:.2f}s",
+                            )
                             bar.update(1)
     finally:
         if bar is not None:
@@ -146,8 +166,17 @@ def run_cluster(
     return metrics
 
 
-SUMMARY_FIELDS = ("step", "reward_mean", "rollout_to_train_end_s", "trainer_wait_ratio", "first_group_s",
-                  "groups", "samples", "fence_rejections", "dead_letters")  # fmt: skip
+SUMMARY_FIELDS = (
+    "step",
+    "reward_mean",
+    "rollout_to_train_end_s",
+    "trainer_wait_ratio",
+    "first_group_s",
+    "groups",
+    "samples",
+    "fence_rejections",
+    "dead_letters",
+)
 
 
 def summary_table(metrics: list[StepMetrics], every: int = 1) -> str:

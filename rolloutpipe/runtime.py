@@ -20,7 +20,11 @@ def setup_logging(level: str = "INFO", role: str = "") -> None:
     if _configured:
         return
     _configured = True
-    fmt = f"%(asctime)s %(levelname)s %(name)s[{role}] %(message)s" if role else "%(asctime)s %(levelname)s %(name)s %(message)s"
+    fmt = (
+        f"%(asctime)s %(levelname)s %(name)s[{role}] %(message)s"
+        if role
+        else "%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
     logging.basicConfig(level=level.upper(), format=fmt, stream=sys.stderr)
     for noisy in ("httpx", "urllib3", "transformers", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -46,9 +50,12 @@ def run_async(main: Callable[[asyncio.Event], Awaitable[int]]) -> int:
 
 
 async def wait_for_key(
-    r: aioredis.Redis, key: str, stop: asyncio.Event, pred: Callable[[bytes], bool] | None = None,
+    r: aioredis.Redis,
+    key: str,
+    stop: asyncio.Event,
+    pred: Callable[[bytes], bool] | None = None,
     poll_s: float = 0.01,
-) -> bytes | None:  # fmt: skip
+) -> bytes | None:
     """Poll ``key`` until it exists (and satisfies ``pred``); None if ``stop`` is set first."""
     while not stop.is_set():
         v: Any = await r.get(key)

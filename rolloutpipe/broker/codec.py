@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, Protocol, TypeVar
 
 import msgpack
@@ -18,7 +19,7 @@ MAX_EVENT_BYTES = 64 * 1024 * 1024
 
 class Codec(Protocol):
     def encode(self, event: Event) -> bytes: ...
-    def decode(self, data: bytes) -> Event: ...
+    def decode(self, data: object) -> Event: ...
 
 
 class MsgpackCodec:
@@ -28,11 +29,12 @@ class MsgpackCodec:
         out: bytes = msgpack.packb(event.model_dump(mode="python"), use_bin_type=True)
         return out
 
-    def decode(self, data: bytes) -> Event:
+    def decode(self, data: object) -> Event:
         if not isinstance(data, bytes | bytearray):
             raise CodecError(f"expected bytes, got {type(data).__name__}")
         if len(data) > MAX_EVENT_BYTES:
             raise CodecError(f"event of {len(data)} bytes exceeds {MAX_EVENT_BYTES}")
+        data = bytes(data)
         try:
             obj = msgpack.unpackb(
                 data, raw=False, strict_map_key=True, max_bin_len=MAX_EVENT_BYTES, max_str_len=1 << 20
@@ -51,11 +53,23 @@ class MsgpackCodec:
             raise CodecError(f"invalid {kind!r} event: {e.error_count()} errors: {_short(e)}") from e
         return event
 
-    def decode_as(self, data: bytes, cls: type[E]) -> E:
+    def decode_as(self, data: object, cls: type[E]) -> E:
         event = self.decode(data)
         if not isinstance(event, cls):
             raise CodecError(f"expected a {cls.__name__}, got kind {event.kind!r}")
         return event
+
+
+def iter_events(data: bytes) -> Iterator[Event]:
+    """Events from a file of concatenated msgpack events (the trainer's consumed-group log)."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=MAX_EVENT_BYTES * 4)
+    unpacker.feed(data)
+    for obj in unpacker:
+        try:
+            event: Event = _ADAPTER.validate_python(obj)
+        except ValidationError as e:
+            raise CodecError(f"invalid event in log: {_short(e)}") from e
+        yield event
 
 
 def _short(e: ValidationError) -> str:

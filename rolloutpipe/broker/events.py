@@ -24,10 +24,18 @@ def _packer(dtype: str) -> tuple[BeforeValidator, PlainSerializer]:
         if isinstance(v, bytes | bytearray | memoryview):
             b = bytes(v)
             if len(b) % np_dtype.itemsize:
-                raise ValueError(f"packed {dtype} array has {len(b)} bytes, not a multiple of {np_dtype.itemsize}")
+                raise ValueError(
+                    f"packed {dtype} array has {len(b)} bytes, not a multiple of {np_dtype.itemsize}"
+                )
             return np.frombuffer(b, dtype=np_dtype).copy()
         if isinstance(v, list | tuple):
-            return np.asarray(v, dtype=np_dtype)
+            try:
+                arr = np.asarray(v, dtype=np_dtype)
+            except (TypeError, OverflowError) as e:  # pydantic only turns ValueError into a validation error
+                raise ValueError(f"not a {dtype} array: {e}") from e
+            if arr.ndim != 1:
+                raise ValueError(f"expected a 1-d {dtype} array, got shape {arr.shape}")
+            return arr
         raise ValueError(f"expected packed {dtype} bytes, got {type(v).__name__}")
 
     def serialize(v: np.ndarray) -> bytes:

@@ -85,14 +85,21 @@ def connect(url: str, max_connections: int = 32) -> aioredis.Redis:
     pool = aioredis.BlockingConnectionPool.from_url(
         url, max_connections=max_connections, timeout=None, health_check_interval=30
     )
-    return aioredis.Redis(connection_pool=pool, decode_responses=False)
+    # from_pool: the client owns its pool, so ``aclose()`` also closes the pool's connections
+    return aioredis.Redis.from_pool(pool)  # the pool's decode_responses defaults to False
 
 
 class Broker:
     """Stream helper bound to one run's namespace."""
 
     def __init__(
-        self, r: aioredis.Redis, run: str, role: str, *, maxlen: int = 100_000, codec: MsgpackCodec | None = None
+        self,
+        r: aioredis.Redis,
+        run: str,
+        role: str,
+        *,
+        maxlen: int = 100_000,
+        codec: MsgpackCodec | None = None,
     ) -> None:
         self.r = r
         self.keys = Keys(run)
@@ -116,7 +123,14 @@ class Broker:
         return _s(eid)
 
     async def read(
-        self, stream: str, group: str, consumer: str, *, count: int = 16, block_ms: int = 100, start: str = ">"
+        self,
+        stream: str,
+        group: str,
+        consumer: str,
+        *,
+        count: int = 16,
+        block_ms: int = 100,
+        start: str = ">",
     ) -> list[Entry]:
         resp = await self.r.xreadgroup(group, consumer, {stream: start}, count=count, block=block_ms)
         return _entries(resp)
@@ -142,7 +156,7 @@ class Broker:
     async def touch(self, stream: str, group: str, consumer: str, ids: list[str]) -> None:
         """Reset the idle time of entries we still work on, so XAUTOCLAIM leaves them alone."""
         if ids:
-            await self.r.xclaim(stream, group, consumer, 0, ids, justid=True)
+            await self.r.xclaim(stream, group, consumer, 0, list[Any](ids), justid=True)
 
     async def ack(self, stream: str, group: str, *ids: str) -> None:
         if ids:
@@ -185,7 +199,9 @@ class Broker:
         await pipe.execute()
         log.warning("dead letter from %s %s: %s", dl.source_stream or "-", dl.entry_id or "-", reason)
 
-    async def decode_or_dlq(self, entry: Entry, group: str, expected: tuple[type[Event], ...]) -> Event | None:
+    async def decode_or_dlq(
+        self, entry: Entry, group: str, expected: tuple[type[Event], ...]
+    ) -> Event | None:
         """Decode an entry; on failure dead-letter it, ack it, and return None."""
         try:
             event = self.decode(entry)

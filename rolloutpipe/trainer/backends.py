@@ -79,9 +79,11 @@ class TorchBackend:
 
         tc = self.cfg.trainer
         logp, mask = response_logprobs(
-            self.model, [s.prompt_ids for s in group.samples], [s.response_ids for s in group.samples],
+            self.model,
+            [s.prompt_ids for s in group.samples],
+            [s.response_ids for s in group.samples],
             self.temperature,
-        )  # fmt: skip
+        )
         old = self._old_logprobs(group, logp.detach())
         adv = torch.from_numpy(group.advantages.astype("float32"))
         losses, clipped = clipped_token_loss(logp, old, adv, tc.clip_eps)
@@ -101,7 +103,11 @@ class TorchBackend:
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        stats = {"loss": self.loss_sum / norm, "grad_norm": float(gnorm), "clipfrac": self.clipfrac_num / norm}
+        stats = {
+            "loss": self.loss_sum / norm,
+            "grad_norm": float(gnorm),
+            "clipfrac": self.clipfrac_num / norm,
+        }
         self.norm = self.loss_sum = self.clipfrac_num = 0.0
         return stats
 
@@ -132,8 +138,9 @@ class EmulatedBackend:
         return {"loss": 0.0, "grad_norm": 0.0, "clipfrac": 0.0}
 
     def publish(self, root: Path, run: str, version: int) -> PolicyVersion:
-        return PolicyVersion(run=run, step=version, policy_version=version, path="", sha256={},
-                             published_at=time.time())  # fmt: skip
+        return PolicyVersion(
+            run=run, step=version, policy_version=version, path="", sha256={}, published_at=time.time()
+        )
 
 
 def make_backend(cfg: Config) -> Backend:

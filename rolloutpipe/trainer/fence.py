@@ -29,8 +29,9 @@ class VersionFence:
                     f"trainer is at version {v}"
                 )
         if len(group.samples) != len(group.advantages):
-            raise StaleVersionError(f"group {group.group_id}: {len(group.samples)} samples, "
-                                    f"{len(group.advantages)} advantages")
+            raise StaleVersionError(
+                f"group {group.group_id}: {len(group.samples)} samples, {len(group.advantages)} advantages"
+            )
 
     def advance(self, version: int) -> None:
         self.version = version

@@ -22,14 +22,15 @@ def group_advantages(rewards: np.ndarray, eps: float = 1e-6) -> np.ndarray:
     r = np.asarray(rewards, dtype=np.float64)
     std = r.std()
     if std < eps:
-        return np.zeros_like(r, dtype=np.float32)
-    return ((r - r.mean()) / (std + eps)).astype(np.float32)
+        return np.zeros(r.shape, dtype=np.float32)
+    out: np.ndarray = ((r - r.mean()) / (std + eps)).astype(np.float32)
+    return out
 
 
 def clipped_token_loss(
     logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token PPO-clip loss ``-min(r A, clip(r) A)`` with ``r = exp(logp - old_logp)``; also the clip mask."""
+    """Per-token PPO-clip loss ``-min(r A, clip(r) A)``, ``r = exp(logp - old_logp)``; and the clip mask."""
     import torch
 
     ratio = torch.exp(logp - old_logp)

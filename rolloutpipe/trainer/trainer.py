@@ -83,8 +83,9 @@ class Trainer:
         consumer = "trainer-0"
         backlog = await self.b.read(self.k.groups, GROUP, consumer, count=10_000, block_ms=1, start="0")
         while not stop.is_set():
-            entries = backlog or await self.b.read(self.k.groups, GROUP, consumer, count=16,
-                                                   block_ms=self.cfg.redis.block_ms)  # fmt: skip
+            entries = backlog or await self.b.read(
+                self.k.groups, GROUP, consumer, count=16, block_ms=self.cfg.redis.block_ms
+            )
             backlog = []
             for e in entries:
                 now = time.time()
@@ -135,7 +136,7 @@ class Trainer:
         entry_ids: list[str] = []
         pending: list[Group] = []
         minibatches: list[list[str]] = []
-        seen = {m.decode() for m in await self.b.r.smembers(self.k.consumed(step))}
+        seen = {_str(m) for m in await self.b.r.smembers(self.k.consumed(step))}
         while len(consumed) < plan.n_groups:
             if stop.is_set():
                 return None
@@ -148,8 +149,13 @@ class Trainer:
             try:
                 fence.check(g)
             except StaleVersionError as e:
-                await self.b.dead_letter(item.entry, f"fence: {e}", step=step, policy_version=g.policy_version,
-                                         counter="fence_rejections")  # fmt: skip
+                await self.b.dead_letter(
+                    item.entry,
+                    f"fence: {e}",
+                    step=step,
+                    policy_version=g.policy_version,
+                    counter="fence_rejections",
+                )
                 await self.b.ack(self.k.groups, GROUP, item.entry.id)
                 continue
             if g.group_id in seen:
@@ -195,20 +201,29 @@ class Trainer:
         window = max(train_end - clock.step_start, 1e-9)
         lat = np.asarray(clock.latencies or [0.0])
         return StepMetrics(
-            run=self.b.run, step=step, policy_version=step, mode=plan.mode,
+            run=self.b.run,
+            step=step,
+            policy_version=step,
+            mode=plan.mode,
             rollout_to_train_end_s=window,
             trainer_wait_ratio=max(0.0, window - clock.busy) / window,
             first_group_s=clock.first_read - clock.step_start,
             reward_mean=float(np.mean(clock.rewards)) if clock.rewards else 0.0,
-            groups=len(consumed), samples=clock.samples, tokens=clock.tokens,
+            groups=len(consumed),
+            samples=clock.samples,
+            tokens=clock.tokens,
             fence_rejections=await self.b.stat("fence_rejections", step),
             dead_letters=await self.b.stat("dead_letters", step),
-            train_busy_s=clock.busy, rollout_makespan_s=clock.rollout_end - clock.step_start,
-            last_minibatch_train_s=clock.last_mb, last_group_train_s=clock.last_group,
+            train_busy_s=clock.busy,
+            rollout_makespan_s=clock.rollout_end - clock.step_start,
+            last_minibatch_train_s=clock.last_mb,
+            last_group_train_s=clock.last_group,
             dispatch_latency_p50_s=float(np.percentile(lat, 50)),
             dispatch_latency_p99_s=float(np.percentile(lat, 99)),
-            minibatches=minibatches, step_start=clock.step_start, train_end=train_end,
-        )  # fmt: skip
+            minibatches=minibatches,
+            step_start=clock.step_start,
+            train_end=train_end,
+        )
 
     async def run(self, stop: asyncio.Event) -> int:
         await self.b.ensure_group(self.k.groups, GROUP)
@@ -230,8 +245,13 @@ class Trainer:
                 with metrics_path.open("a") as f:
                     f.write(json.dumps(m.model_dump(mode="json", exclude={"kind", "schema_version"})) + "\n")
                 await self.b.publish(self.k.control, m)
-                log.info("step %d: reward %.3f, %.2fs rollout-to-train-end, wait ratio %.2f",
-                         step, m.reward_mean, m.rollout_to_train_end_s, m.trainer_wait_ratio)  # fmt: skip
+                log.info(
+                    "step %d: reward %.3f, %.2fs rollout-to-train-end, wait ratio %.2f",
+                    step,
+                    m.reward_mean,
+                    m.rollout_to_train_end_s,
+                    m.trainer_wait_ratio,
+                )
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -241,6 +261,10 @@ class Trainer:
         return 0
 
 
+def _str(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
 async def run_trainer(cfg: Config, url: str, run: str, out: Path, stop: asyncio.Event) -> int:
     r = connect(url)
     try:
@@ -248,7 +272,7 @@ async def run_trainer(cfg: Config, url: str, run: str, out: Path, stop: asyncio.
         if cfg.trainer.backend == "torch":
             from transformers.utils import logging as hf_logging
 
-            hf_logging.disable_progress_bar()
+            hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
         backend = await asyncio.to_thread(make_backend, cfg)
         return await Trainer(cfg, broker, backend, out).run(stop)
     finally:

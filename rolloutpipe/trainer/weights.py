@@ -63,7 +63,8 @@ def verify_weights(pv: PolicyVersion) -> None:
         got = sha256_file(f)
         if got != want:
             raise WeightsVerificationError(
-                f"policy version {pv.policy_version}: sha256 of {f} is {got[:12]}…, manifest says {want[:12]}…"
+                f"policy version {pv.policy_version}: sha256 of {f} is {got[:12]}…, "
+                f"the manifest says {want[:12]}…"
             )
 
 

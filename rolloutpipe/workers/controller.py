@@ -39,12 +39,22 @@ def build_requests(cfg: Config, run: str, step: int, prompts: list[Prompt]) -> l
         for s in range(G):
             out.append(
                 RolloutRequest(
-                    run=run, step=step, policy_version=step, request_id=f"{gid}:{s}", group_id=gid,
-                    prompt_index=pidx, sample_index=s, group_size=G, prompt=p.text, answer=p.answer,
+                    run=run,
+                    step=step,
+                    policy_version=step,
+                    request_id=f"{gid}:{s}",
+                    group_id=gid,
+                    prompt_index=pidx,
+                    sample_index=s,
+                    group_size=G,
+                    prompt=p.text,
+                    answer=p.answer,
                     seed=(cc.seed * 1_000_003 + step * 10_007 + g * 101 + s) % (2**31),
-                    max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                    minibatch_hint=g // gpm, released_at=now,
-                )  # fmt: skip
+                    max_new_tokens=cfg.rollout.max_new_tokens,
+                    temperature=cfg.rollout.temperature,
+                    minibatch_hint=g // gpm,
+                    released_at=now,
+                )
             )
     return out
 
@@ -116,9 +126,15 @@ class Controller:
     async def release_step(self, step: int, stop: asyncio.Event) -> None:
         cc = self.cfg.controller
         plan = StepPlan(
-            run=self.b.run, step=step, policy_version=step, mode=cc.mode, n_groups=cc.prompts_per_step,
-            group_size=cc.group_size, minibatches=cc.minibatches, created_at=time.time(),
-        )  # fmt: skip
+            run=self.b.run,
+            step=step,
+            policy_version=step,
+            mode=cc.mode,
+            n_groups=cc.prompts_per_step,
+            group_size=cc.group_size,
+            minibatches=cc.minibatches,
+            created_at=time.time(),
+        )
         raw = self.b.encode(plan)
         pipe = self.b.r.pipeline(transaction=True)
         pipe.set(self.k.plan(step), raw)

@@ -48,9 +48,15 @@ class RolloutWorker:
         rc = self.cfg.rollout
         ttl = max(1, int(rc.heartbeat_s * 3 + 0.999))
         while not stop.is_set():
-            info = {"capacity": self.engine.capacity, "inflight": len(self.inflight),
-                    "version": self.version, "samples": self.samples, "pid": os.getpid(),
-                    "host": socket.gethostname(), "t": time.time()}  # fmt: skip
+            info = {
+                "capacity": self.engine.capacity,
+                "inflight": len(self.inflight),
+                "version": self.version,
+                "samples": self.samples,
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "t": time.time(),
+            }
             await self.b.r.set(self.k.heartbeat(self.id), json.dumps(info).encode(), ex=ttl)
             await self.b.touch(self.k.requests, GROUP, self.id, list(self.inflight))
             with contextlib.suppress(TimeoutError):
@@ -83,19 +89,35 @@ class RolloutWorker:
             admitted = time.time()
             gen = await self.engine.generate(req)
             if self.version != req.policy_version:
-                await self.b.dead_letter(entry, f"weights changed to {self.version} during generation",
-                                         step=req.step, policy_version=req.policy_version,
-                                         counter="fence_rejections")  # fmt: skip
+                await self.b.dead_letter(
+                    entry,
+                    f"weights changed to {self.version} during generation",
+                    step=req.step,
+                    policy_version=req.policy_version,
+                    counter="fence_rejections",
+                )
                 await self.b.ack(self.k.requests, GROUP, entry.id)
                 return
             reward = float(self.verifier(gen.text, req.answer))
             sample = Sample(
-                run=req.run, step=req.step, policy_version=self.version, sample_id=req.request_id,
-                request_id=req.request_id, group_id=req.group_id, prompt_index=req.prompt_index,
-                sample_index=req.sample_index, group_size=req.group_size, worker=self.id,
-                prompt_ids=gen.prompt_ids, response_ids=gen.response_ids, logprobs=gen.logprobs,
-                reward=reward, finish_reason=gen.finish_reason, admitted_at=admitted, finished_at=time.time(),
-            )  # fmt: skip
+                run=req.run,
+                step=req.step,
+                policy_version=self.version,
+                sample_id=req.request_id,
+                request_id=req.request_id,
+                group_id=req.group_id,
+                prompt_index=req.prompt_index,
+                sample_index=req.sample_index,
+                group_size=req.group_size,
+                worker=self.id,
+                prompt_ids=gen.prompt_ids,
+                response_ids=gen.response_ids,
+                logprobs=gen.logprobs,
+                reward=reward,
+                finish_reason=gen.finish_reason,
+                admitted_at=admitted,
+                finished_at=time.time(),
+            )
             pipe = self.b.r.pipeline(transaction=True)
             pipe.xadd(self.k.samples, {DATA: self.b.encode(sample)}, maxlen=self.b.maxlen, approximate=True)
             pipe.xack(self.k.requests, GROUP, entry.id)
@@ -120,9 +142,13 @@ class RolloutWorker:
         if ev.policy_version > self.version and not await self.ensure_version(ev.policy_version, stop):
             return  # stopping; the entry stays pending and will be reclaimed
         if ev.policy_version < self.version:
-            await self.b.dead_letter(entry, f"stale request: policy_version {ev.policy_version} < worker's "
-                                     f"{self.version}", step=ev.step, policy_version=ev.policy_version,
-                                     counter="fence_rejections")  # fmt: skip
+            await self.b.dead_letter(
+                entry,
+                f"stale request: policy_version {ev.policy_version} < worker's {self.version}",
+                step=ev.step,
+                policy_version=ev.policy_version,
+                counter="fence_rejections",
+            )
             await self.b.ack(self.k.requests, GROUP, entry.id)
             return
         if entry.id in self.inflight:
@@ -148,14 +174,16 @@ class RolloutWorker:
                     entries, backlog = backlog[:free], backlog[free:]
                 elif time.monotonic() - last_claim > rc.claim_idle_s / 2:
                     last_claim = time.monotonic()
-                    entries = await self.b.autoclaim(self.k.requests, GROUP, self.id,
-                                                     min_idle_ms=int(rc.claim_idle_s * 1000), count=free)
+                    entries = await self.b.autoclaim(
+                        self.k.requests, GROUP, self.id, min_idle_ms=int(rc.claim_idle_s * 1000), count=free
+                    )
                     if entries:
                         log.warning("worker %s reclaimed %d abandoned requests", self.id, len(entries))
                         await self.b.incr("reclaimed_requests", by=len(entries))
                 if not entries:
-                    entries = await self.b.read(self.k.requests, GROUP, self.id, count=free,
-                                                block_ms=self.cfg.redis.block_ms)  # fmt: skip
+                    entries = await self.b.read(
+                        self.k.requests, GROUP, self.id, count=free, block_ms=self.cfg.redis.block_ms
+                    )
                 for e in entries:
                     await self.admit(e, stop)
         finally:

@@ -59,7 +59,7 @@ class EmulatedEngine:
     def response_length(self, req: RolloutRequest) -> int:
         c = self.cfg
         r = _rng(self.seed, req.request_id, "len")
-        n = int(round(math.exp(math.log(c.length_median) + c.length_sigma * r.standard_normal())))
+        n = round(math.exp(math.log(c.length_median) + c.length_sigma * r.standard_normal()))
         return max(1, min(n, c.max_response_tokens))
 
     def pass_rate(self, req: RolloutRequest) -> float:
@@ -75,7 +75,9 @@ class EmulatedEngine:
         fut: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
         length = self.response_length(req)
         correct = bool(_rng(self.seed, req.request_id, "reward").random() < self.pass_rate(req))
-        seq = _Seq(req, length, correct, fut, prefill_left=self.cfg.prefill_per_token_s * self.cfg.prompt_tokens)
+        seq = _Seq(
+            req, length, correct, fut, prefill_left=self.cfg.prefill_per_token_s * self.cfg.prompt_tokens
+        )
         self.waiting.append(seq)
         self._wake.set()
         return await fut

@@ -46,7 +46,7 @@ class TransformersEngine:
         if self.model is None:
             from transformers.utils import logging as hf_logging
 
-            hf_logging.disable_progress_bar()
+            hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
             path = ensure_model(self.cfg.model)
             self.model = await asyncio.to_thread(load_model, path, 1)
         if self._task is None:
@@ -111,7 +111,9 @@ class TransformersEngine:
             ids_i = np.asarray(resp[i], np.int32)
             reason = "stop" if len(ids_i) and ids_i[-1] == EOS else "length"
             out.append(
-                Generation(prompts[i], ids_i, np.asarray(lps[i], np.float32), self.codec.decode(ids_i), reason)
+                Generation(
+                    prompts[i], ids_i, np.asarray(lps[i], np.float32), self.codec.decode(ids_i), reason
+                )
             )
             del r
         return out

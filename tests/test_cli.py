@@ -1,0 +1,76 @@
+"""The CLI contract: `run` writes metrics.jsonl with every field, `bench` compares the three modes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import EMULATED_FAST, ROOT
+
+METRIC_FIELDS = {
+    "step", "mode", "rollout_to_train_end_s", "trainer_wait_ratio", "first_group_s", "reward_mean",
+    "groups", "samples", "fence_rejections", "dead_letters",
+}  # fmt: skip
+
+
+def _rp(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "rolloutpipe", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.slow
+def test_run_demo_config_writes_metrics(tmp_path: Path, model_cache: str) -> None:
+    """The demo's own command line, shortened: real model, every role a process, embedded Redis."""
+    out = tmp_path / "demo"
+    p = _rp("run", "configs/demo.yaml", "--steps", "3", "--out", str(out), "--no-progress",
+            f"model.cache_dir={model_cache}")  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert r.keys() >= METRIC_FIELDS
+        assert r["mode"] == "cgp-fgd"
+        assert r["groups"] == 16 and r["samples"] == 256
+        assert 0.0 <= r["trainer_wait_ratio"] <= 1.0 and 0.0 <= r["reward_mean"] <= 1.0
+        assert 0.0 < r["first_group_s"] <= r["rollout_to_train_end_s"]
+    assert (out / "report.json").exists() and (out / "report.png").stat().st_size > 1000
+    assert "| step |" in p.stdout  # the summary table
+
+
+def test_bench_compares_three_modes(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    p = _rp("bench", "--out", str(out), "--steps", "2", "--no-progress", *EMULATED_FAST)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    (setting,) = res["settings"]
+    assert set(setting["modes"]) == {"sync", "cgp", "cgp-fgd"}
+    assert setting["ideal_bound_s"] > 0
+    for m in setting["modes"].values():
+        assert m["rollout_to_train_end_s"] > 0 and 0 <= m["trainer_wait_ratio"] <= 1
+    for mode in ("sync", "cgp", "cgp-fgd"):
+        assert f"| {mode} |" in p.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["run", "configs/nope.yaml"], "does not exist"),
+        (["run", "configs/demo.yaml", "controller.bogus=1"], "controller.bogus"),
+        (["run", "configs/demo.yaml", "controller.minibatches=3"], "multiple of"),
+        (["run", "configs/demo.yaml", "controller.mode=async"], "controller.mode"),
+    ],
+)
+def test_bad_config_is_a_clear_error(args: list[str], message: str) -> None:
+    p = _rp(*args, timeout=60)
+    assert p.returncode == 2
+    assert message in p.stderr
+    assert "Traceback" not in p.stderr
