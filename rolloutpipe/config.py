@@ -112,6 +112,7 @@ class TrainerConfig(_Section):
     old_logprobs: Literal["engine", "frozen"] = "engine"
     seed: int = 0
     record_groups: bool = False  # write every consumed group to OUT/groups.msgpack (replay, audits)
+    keep_versions: int = 3  # published weight versions kept on disk (0 keeps all)
     emulated: EmulatedTrainerConfig = Field(default_factory=EmulatedTrainerConfig)
 
 

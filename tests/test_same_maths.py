@@ -35,6 +35,7 @@ OVERRIDES = (
     "trainer.record_groups=true",
     "trainer.lr=0.003",  # large enough that wrong old logprobs move the weights visibly
     "rollout.workers=2",
+    "trainer.keep_versions=0",  # the test compares v0 with the last version
 )
 
 pytestmark = pytest.mark.slow

@@ -115,7 +115,9 @@ class TorchBackend:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def publish(self, root: Path, run: str, version: int) -> PolicyVersion:
-        return publish_weights(self.model.state_dict(), root, run, version)
+        return publish_weights(
+            self.model.state_dict(), root, run, version, keep=self.cfg.trainer.keep_versions
+        )
 
 
 class EmulatedBackend:

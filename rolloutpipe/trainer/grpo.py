@@ -37,7 +37,7 @@ def clipped_token_loss(
     a = adv.unsqueeze(-1)
     unclipped = ratio * a
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * a
-    return -torch.minimum(unclipped, clipped), (unclipped != clipped)
+    return -torch.minimum(unclipped, clipped), clipped < unclipped  # where the clip is the active branch
 
 
 def aggregate_sum(losses: torch.Tensor, mask: torch.Tensor, mode: LossAgg) -> tuple[torch.Tensor, float]:

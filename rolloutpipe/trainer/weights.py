@@ -31,7 +31,9 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def publish_weights(state: dict[str, torch.Tensor], root: Path, run: str, version: int) -> PolicyVersion:
+def publish_weights(
+    state: dict[str, torch.Tensor], root: Path, run: str, version: int, keep: int = 0
+) -> PolicyVersion:
     from safetensors.torch import save_file
 
     root.mkdir(parents=True, exist_ok=True)
@@ -44,6 +46,9 @@ def publish_weights(state: dict[str, torch.Tensor], root: Path, run: str, versio
     (tmp / "manifest.json").write_text(json.dumps({"policy_version": version, "sha256": digests}))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
+    if keep > 0:  # workers only ever need the newest version; older ones are pruned
+        for old in sorted(root.glob("v[0-9]*"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
     return PolicyVersion(
         run=run,
         step=version,

@@ -126,9 +126,7 @@ class EmulatedEngine:
         logprobs = np.log(r.uniform(0.2, 1.0, size=s.length)).astype(np.float32)
         text = s.req.answer if s.correct else "x"
         reason = "length" if s.length >= self.cfg.max_response_tokens else "stop"
-        s.fut.set_result(
-            Generation(np.zeros(self.cfg.prompt_tokens // 64 + 1, np.int32), ids, logprobs, text, reason)
-        )
+        s.fut.set_result(Generation(np.zeros(self.cfg.prompt_tokens, np.int32), ids, logprobs, text, reason))
 
     async def load_weights(self, pv: PolicyVersion) -> None:
         if pv.sha256:  # the emulated trainer publishes no files; real files are still verified
