@@ -203,6 +203,10 @@ def write_report(cfg: Config, metrics: list[StepMetrics], out: Path) -> Path:
         "reward_first": metrics[0].reward_mean if metrics else None,
         "reward_last": metrics[-1].reward_mean if metrics else None,
         "reward_best": max((m.reward_mean for m in metrics), default=None),
+        "reward_first10_mean": _mean([m.reward_mean for m in metrics[:10]]),
+        "reward_last10_mean": _mean([m.reward_mean for m in metrics[-10:]]),
+        "first_step_reward_ge_0.6": next((m.step for m in metrics if m.reward_mean >= 0.6), None),
+        "train_wall_s": (metrics[-1].train_end - metrics[0].step_start) if metrics else None,
         "median_rollout_to_train_end_s": _median([m.rollout_to_train_end_s for m in metrics]),
         "median_trainer_wait_ratio": _median([m.trainer_wait_ratio for m in metrics]),
         "fence_rejections": sum(m.fence_rejections for m in metrics),
@@ -229,6 +233,10 @@ def write_report(cfg: Config, metrics: list[StepMetrics], out: Path) -> Path:
     except ImportError:  # matplotlib is a dependency, but a picture is not worth a crash
         log.warning("matplotlib missing; report.png not written")
     return out / "report.json"
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
 
 
 def _median(xs: list[float]) -> float | None:
