@@ -37,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="runs/bench")
     bench.add_argument("--steps", type=int)
     bench.add_argument("--redis-url", default="")
+    bench.add_argument("--suite", default="", help="a suite under configs/bench/ (e.g. paper)")
+    bench.add_argument("--scale", type=float, help="wall seconds per emulated second (overrides the config)")
     bench.add_argument("--no-progress", action="store_true")
     bench.add_argument("overrides", nargs="*", help="dotted.key=value")
 
@@ -90,6 +92,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         steps=args.steps,
         url=args.redis_url,
         progress=not args.no_progress,
+        suite=args.suite,
+        scale=args.scale,
     )
 
 

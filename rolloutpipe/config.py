@@ -72,6 +72,11 @@ class RolloutConfig(_Section):
     temperature: float = 1.0
     heartbeat_s: float = 1.0
     claim_idle_s: float = 5.0  # a pending request untouched this long belongs to a dead worker
+    # How FIFO modes (sync, cgp) hand requests to engines.  "share": like a router that dispatches
+    # every request on arrival (slime + SGLang router), each engine takes its share of the step into
+    # its own waiting queue at once.  "none": pull only into free slots (late binding).  cgp-fgd
+    # always admits only into free slots: an engine queue would undo the frontier order.
+    engine_queue: Literal["share", "none"] = "share"
     emulated: EmulatedEngineConfig = Field(default_factory=EmulatedEngineConfig)
 
 
@@ -113,6 +118,7 @@ class TrainerConfig(_Section):
     seed: int = 0
     record_groups: bool = False  # write every consumed group to OUT/groups.msgpack (replay, audits)
     keep_versions: int = 3  # published weight versions kept on disk (0 keeps all)
+    record_timeline: bool = False  # write OUT/timeline.jsonl: per-sample and trainer busy intervals
     emulated: EmulatedTrainerConfig = Field(default_factory=EmulatedTrainerConfig)
 
 

@@ -92,6 +92,7 @@ class Sample(Event):
     logprobs: Float32Array
     reward: float
     finish_reason: str = "stop"
+    released_at: float = 0.0  # when the controller released the request (admission latency)
     admitted_at: float
     finished_at: float
 
@@ -164,6 +165,7 @@ class StepMetrics(Event):
     last_group_train_s: float = 0.0  # the last group's forward/backward plus the final optimizer step
     dispatch_latency_p50_s: float
     dispatch_latency_p99_s: float
+    admission_latency_p50_s: float = 0.0  # request released -> admitted into an engine
     minibatches: list[list[str]] = Field(default_factory=list)
     step_start: float = 0.0
     train_end: float = 0.0

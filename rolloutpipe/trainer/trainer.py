@@ -51,6 +51,9 @@ class StepClock:
     step_start: float = float("inf")
     rollout_end: float = 0.0
     latencies: list[float] = field(default_factory=list)
+    admission: list[float] = field(default_factory=list)
+    busy_intervals: list[tuple[float, float]] = field(default_factory=list)
+    groups: list[dict[str, object]] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     samples: int = 0
     tokens: int = 0
@@ -62,6 +65,16 @@ class StepClock:
         last = max(s.finished_at for s in g.samples)
         self.rollout_end = max(self.rollout_end, last)
         self.latencies.append(read_at - last)
+        self.admission.extend(s.admitted_at - s.released_at for s in g.samples if s.released_at)
+        self.groups.append(
+            {
+                "id": g.group_id,
+                "minibatch": g.frontier.minibatch,
+                "completed_at": g.completed_at,
+                "read_at": read_at,
+                "samples": [[s.worker, s.admitted_at, s.finished_at] for s in g.samples],
+            }
+        )
         self.rewards.extend(s.reward for s in g.samples)
         self.samples += len(g.samples)
         self.tokens += sum(len(s.response_ids) for s in g.samples)
@@ -123,6 +136,7 @@ class Trainer:
         stats = await asyncio.to_thread(self.backend.optimizer_step)
         clock.last_group = time.time() - tg
         dt = time.time() - t0
+        clock.busy_intervals.append((t0, t0 + dt))
         clock.busy += dt
         clock.last_mb = dt
         return stats
@@ -174,10 +188,12 @@ class Trainer:
                 tg = time.time()
                 await asyncio.to_thread(self.backend.accumulate, g)
                 clock.mb_busy += time.time() - tg
+                clock.busy_intervals.append((tg, time.time()))
                 if len(pending) == gpm:
                     t0 = time.time()
                     await asyncio.to_thread(self.backend.optimizer_step)
                     clock.mb_busy += time.time() - t0
+                    clock.busy_intervals.append((t0, time.time()))
                     clock.last_group = time.time() - tg
                     clock.busy += clock.mb_busy
                     clock.last_mb, clock.mb_busy = clock.mb_busy, 0.0
@@ -198,6 +214,17 @@ class Trainer:
             pipe.sadd(self.k.consumed(step), *consumed)
         pipe.xack(self.k.groups, GROUP, *entry_ids)
         await pipe.execute()
+        if self.cfg.trainer.record_timeline:
+            rec = {
+                "step": step,
+                "mode": plan.mode,
+                "step_start": clock.step_start,
+                "train_end": train_end,
+                "busy": clock.busy_intervals,
+                "groups": clock.groups,
+            }
+            with (self.out / "timeline.jsonl").open("a") as f:
+                f.write(json.dumps(rec) + "\n")
         window = max(train_end - clock.step_start, 1e-9)
         lat = np.asarray(clock.latencies or [0.0])
         return StepMetrics(
@@ -220,6 +247,7 @@ class Trainer:
             last_group_train_s=clock.last_group,
             dispatch_latency_p50_s=float(np.percentile(lat, 50)),
             dispatch_latency_p99_s=float(np.percentile(lat, 99)),
+            admission_latency_p50_s=float(np.percentile(clock.admission or [0.0], 50)),
             minibatches=minibatches,
             step_start=clock.step_start,
             train_end=train_end,

@@ -43,6 +43,24 @@ class RolloutWorker:
         self.version = -1
         self.inflight: dict[str, asyncio.Task[None]] = {}
         self.samples = 0
+        self._live = 1
+        self._live_checked = 0.0
+
+    async def admission_limit(self) -> int:
+        """Requests this worker may hold: engine slots, plus an engine-side queue in FIFO modes."""
+        cap = self.engine.capacity
+        if self.cfg.controller.mode == "cgp-fgd" or self.cfg.rollout.engine_queue == "none":
+            return cap
+        now = time.monotonic()
+        if now - self._live_checked > 0.5:
+            self._live_checked = now
+            n = 0
+            async for _ in self.b.r.scan_iter(match=self.k.heartbeat_pattern(), count=100):
+                n += 1
+            self._live = max(1, n)
+        cc = self.cfg.controller
+        share = -(-cc.prompts_per_step * cc.group_size // self._live)
+        return max(cap, share)
 
     async def heartbeat(self, stop: asyncio.Event) -> None:
         rc = self.cfg.rollout
@@ -115,6 +133,7 @@ class RolloutWorker:
                 logprobs=gen.logprobs,
                 reward=reward,
                 finish_reason=gen.finish_reason,
+                released_at=req.released_at,
                 admitted_at=admitted,
                 finished_at=time.time(),
             )
@@ -165,7 +184,7 @@ class RolloutWorker:
         last_claim = 0.0
         try:
             while not stop.is_set() and not await self.b.r.exists(self.k.done):
-                free = self.engine.capacity - len(self.inflight)
+                free = await self.admission_limit() - len(self.inflight)
                 if free <= 0:
                     await asyncio.sleep(0.002)
                     continue

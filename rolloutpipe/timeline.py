@@ -1,0 +1,85 @@
+"""Timeline pictures from observed timestamps (``OUT/timeline.jsonl`` written by the trainer).
+
+One panel per mode, on one time axis from the step's first admission: a row per rollout worker
+(sequences in flight, stamped by the worker), a row of group completions (coloured by mini-batch),
+and the trainer's own busy intervals, so the idle bubble that CGP and FGD remove is visible.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rolloutpipe.config import MODES
+
+
+def load_last_step(path: Path) -> dict[str, Any] | None:
+    if not path.exists():
+        return None
+    lines = path.read_text().splitlines()
+    return json.loads(lines[-1]) if lines else None
+
+
+def plot_setting(setting_dir: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = {m: load_last_step(setting_dir / m / "timeline.jsonl") for m in MODES}
+    present = [m for m in MODES if recs[m]]
+    horizon = max((recs[m]["train_end"] - recs[m]["step_start"]) for m in present) if present else 1.0  # type: ignore[index]
+    fig, axes = plt.subplots(
+        len(present), 1, figsize=(11, 2.2 * len(present) + 0.6), sharex=True, squeeze=False
+    )
+    cmap = plt.get_cmap("tab10")
+    for ax, mode in zip(axes[:, 0], present, strict=True):
+        rec: dict[str, Any] = recs[mode]  # type: ignore[assignment]
+        t0 = rec["step_start"]
+        workers = sorted({s[0] for g in rec["groups"] for s in g["samples"]})
+        rows = {w: i for i, w in enumerate(workers)}
+        n = len(workers)
+        for w in workers:
+            events = []
+            for g in rec["groups"]:
+                for sw, adm, fin in g["samples"]:
+                    if sw == w:
+                        events += [(adm - t0, 1), (fin - t0, -1)]
+            events.sort()
+            xs, ys, cur = [0.0], [0], 0
+            for x, d in events:
+                cur += d
+                xs.append(x)
+                ys.append(cur)
+            peak = max(ys) or 1
+            y0 = rows[w]
+            ax.fill_between(xs, [y0] * len(xs), [y0 + 0.8 * y / peak for y in ys], step="post", alpha=0.6,
+                            color="tab:blue", linewidth=0)  # fmt: skip
+        gy = n + 0.4
+        for g in rec["groups"]:
+            ax.vlines(
+                g["completed_at"] - t0, gy - 0.3, gy + 0.3, color=cmap(g["minibatch"] % 10), linewidth=1.2
+            )
+        ty = n + 1.2
+        busy = [(a - t0, b - a) for a, b in rec["busy"]]
+        ax.broken_barh([(0, rec["train_end"] - t0)], (ty - 0.3, 0.6), facecolors="#eeeeee")
+        ax.broken_barh(busy, (ty - 0.3, 0.6), facecolors="tab:green")
+        ax.axvline(rec["train_end"] - t0, color="black", linestyle="--", linewidth=1)
+        ax.set_yticks([*range(n), gy, ty], [*(f"worker {i}" for i in range(n)), "groups", "trainer"])
+        ax.set_ylim(-0.3, ty + 0.5)
+        ax.set_xlim(0, horizon * 1.02)
+        ax.set_title(
+            f"{mode}: step {rec['step']}, ends {rec['train_end'] - t0:.2f} s", fontsize=9, loc="left"
+        )
+    axes[-1, 0].set_xlabel(
+        "wall seconds since the step's first admission (workers: sequences in flight; groups: completions "
+        "coloured by mini-batch; trainer: busy green, idle grey)",
+        fontsize=8,
+    )
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    out = setting_dir / f"timeline-{title}.png"
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
