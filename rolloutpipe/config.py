@@ -57,6 +57,10 @@ class EmulatedEngineConfig(_Section):
     length_dist: Literal["lognormal"] = "lognormal"
     length_median: int = 1200
     length_sigma: float = 0.9
+    # Share of the log-length variance that belongs to the prompt (difficulty) rather than to the
+    # sample: 0 draws every sample's length independently; 1 gives all G samples of a prompt the
+    # same length.
+    length_prompt_share: float = 0.0
     max_response_tokens: int = 8192
     time_scale: float = 0.05
     pass_rate_alpha: float = 1.0  # per-prompt pass rate ~ Beta(alpha, beta)

@@ -58,8 +58,11 @@ class EmulatedEngine:
 
     def response_length(self, req: RolloutRequest) -> int:
         c = self.cfg
-        r = _rng(self.seed, req.request_id, "len")
-        n = round(math.exp(math.log(c.length_median) + c.length_sigma * r.standard_normal()))
+        z_sample = _rng(self.seed, req.request_id, "len").standard_normal()
+        z_prompt = _rng(self.seed, req.prompt_index, req.prompt, "len").standard_normal()
+        share = min(max(c.length_prompt_share, 0.0), 1.0)
+        z = math.sqrt(share) * z_prompt + math.sqrt(1.0 - share) * z_sample  # still N(0, 1)
+        n = round(math.exp(math.log(c.length_median) + c.length_sigma * z))
         return max(1, min(n, c.max_response_tokens))
 
     def pass_rate(self, req: RolloutRequest) -> float:
