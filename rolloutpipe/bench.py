@@ -87,8 +87,8 @@ def mode_table(setting: dict[str, Any]) -> str:
     for mode in MODES:
         m = setting["modes"][mode]
         lines.append(
-            f"| {mode} | {m['rollout_to_train_end_s']:.2f} | {-m['reduction_vs_sync']:+.1%} | "
-            f"{m['trainer_wait_ratio']:.3f} | {-m['wait_ratio_reduction_vs_sync']:+.1%} | "
+            f"| {mode} | {m['rollout_to_train_end_s']:.2f} | {0.0 - m['reduction_vs_sync']:+.1%} | "
+            f"{m['trainer_wait_ratio']:.3f} | {0.0 - m['wait_ratio_reduction_vs_sync']:+.1%} | "
             f"{m['gap_captured']:.0%} | {m['first_group_s']:.2f} | "
             f"{m['dispatch_latency_p50_s']:.3f} / {m['dispatch_latency_p99_s']:.3f} |"
         )
@@ -118,11 +118,11 @@ def suite_table(settings: list[dict[str, Any]]) -> str:
 
         lines.append(
             f"| {s['name']} | {t(sy['rollout_to_train_end_s'])} | {t(cg['rollout_to_train_end_s'])} "
-            f"({-cg['reduction_vs_sync']:+.1%}) | {t(fg['rollout_to_train_end_s'])} "
-            f"({-fg['reduction_vs_sync']:+.1%}) | {t(s['ideal_bound_s'])} "
-            f"| {-s['max_possible_reduction']:+.1%} | {sy['trainer_wait_ratio']:.2f} "
-            f"| {cg['trainer_wait_ratio']:.2f} ({-cg['wait_ratio_reduction_vs_sync']:+.0%}) "
-            f"| {fg['trainer_wait_ratio']:.2f} ({-fg['wait_ratio_reduction_vs_sync']:+.0%}) "
+            f"({0.0 - cg['reduction_vs_sync']:+.1%}) | {t(fg['rollout_to_train_end_s'])} "
+            f"({0.0 - fg['reduction_vs_sync']:+.1%}) | {t(s['ideal_bound_s'])} "
+            f"| {0.0 - s['max_possible_reduction']:+.1%} | {sy['trainer_wait_ratio']:.2f} "
+            f"| {cg['trainer_wait_ratio']:.2f} ({0.0 - cg['wait_ratio_reduction_vs_sync']:+.0%}) "
+            f"| {fg['trainer_wait_ratio']:.2f} ({0.0 - fg['wait_ratio_reduction_vs_sync']:+.0%}) "
             f"| {fg['gap_captured']:.0%} | {fg['gap_captured_strict']:.0%} "
             f"| {t(sy['first_group_s'])} / {t(cg['first_group_s'])} / "
             f"{t(fg['first_group_s'])} | {fg['dispatch_latency_p50_s'] * 1000:.0f} / "
