@@ -81,6 +81,9 @@ class RolloutConfig(_Section):
     # its own waiting queue at once.  "none": pull only into free slots (late binding).  cgp-fgd
     # always admits only into free slots: an engine queue would undo the frontier order.
     engine_queue: Literal["share", "none"] = "share"
+    # Requests taken per XREADGROUP.  Small reads let several workers interleave, so a burst of
+    # released requests spreads over the engines instead of landing on whichever reads first.
+    read_batch: int = 16
     emulated: EmulatedEngineConfig = Field(default_factory=EmulatedEngineConfig)
 
 
@@ -91,6 +94,10 @@ class ControllerConfig(_Section):
     group_size: int = 16
     minibatches: int = 2
     fgd_slack: int = 0  # extra requests admitted beyond free engine capacity in cgp-fgd
+    # cgp-fgd admits only groups of the next N mini-batches beyond those complete (0: no limit).
+    # An offline replay of the engine model (benchmarks/admission_oracle.py) put 3 at or above
+    # unlimited admission in every paper-suite setting.
+    fgd_lookahead: int = 3
     seed: int = 0
 
     @model_validator(mode="after")

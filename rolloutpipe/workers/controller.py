@@ -159,7 +159,16 @@ class Controller:
         await pipe.execute()
 
     async def _release_fgd(self, step: int, reqs: list[RolloutRequest], stop: asyncio.Event) -> None:
-        """Admit as capacity frees: frontier groups first, then fill with later groups."""
+        """Admit as capacity frees, frontier groups first.
+
+        The frontier is the groups the trainer needs next.  Groups already under way come first, then
+        groups in mini-batch order, and only groups of the next ``fgd_lookahead`` mini-batches
+        beyond those already complete are admitted: generating far ahead of the trainer only
+        enlarges every engine's decode batch and slows the groups the trainer is waiting for.
+        ``fgd_lookahead: 0`` fills all free capacity with later groups.
+        """
+        cc = self.cfg.controller
+        gpm = cc.prompts_per_step // cc.minibatches
         by_group: OrderedDict[str, list[RolloutRequest]] = OrderedDict()
         for rq in reqs:
             by_group.setdefault(rq.group_id, []).append(rq)
@@ -178,10 +187,16 @@ class Controller:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), 0.005)
                 continue
+            limit = len(reqs)  # groups that may be under way
+            if cc.fgd_lookahead > 0:
+                complete = int(await self.b.r.scard(self.k.emitted(step)))
+                limit = (complete // gpm + cc.fgd_lookahead) * gpm
             batch: list[RolloutRequest] = []
             # frontier: groups already under way (finish them first), then groups in mini-batch order
             order = sorted(by_group, key=lambda g: (g not in started, by_group[g][0].minibatch_hint))
             for gid in order:
+                if gid not in started and len(started) >= limit:
+                    break
                 while free > 0 and by_group[gid]:
                     batch.append(by_group[gid].pop(0))
                     started.add(gid)
@@ -190,6 +205,10 @@ class Controller:
                     del by_group[gid]
                 if free <= 0:
                     break
+            if not batch:  # the window is closed until more groups complete
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 0.005)
+                continue
             await self._release(step, batch)
             released += len(batch)
 

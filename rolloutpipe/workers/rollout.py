@@ -201,7 +201,11 @@ class RolloutWorker:
                         await self.b.incr("reclaimed_requests", by=len(entries))
                 if not entries:
                     entries = await self.b.read(
-                        self.k.requests, GROUP, self.id, count=free, block_ms=self.cfg.redis.block_ms
+                        self.k.requests,
+                        GROUP,
+                        self.id,
+                        count=min(free, self.cfg.rollout.read_batch),
+                        block_ms=self.cfg.redis.block_ms,
                     )
                 for e in entries:
                     await self.admit(e, stop)
