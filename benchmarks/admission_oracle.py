@@ -3,7 +3,8 @@
 Not the benchmark (that is `rolloutpipe bench --suite paper`, through Redis and real processes).
 This replays the same engine model (continuous batching, step = a + c*batch, late binding) in
 plain Python with an oracle that knows every response length, to bound what any admission
-order (FIFO, longest-group-first, shortest-group-first) could gain.
+order (FIFO, longest-group-first, shortest-group-first) could gain, and how a frontier window
+(admit only the groups of the next W mini-batches, as `controller.fgd_lookahead` does) compares.
 Run: .venv/bin/python benchmarks/admission_oracle.py
 """
 
@@ -101,16 +102,74 @@ def run(B, G, M, median, sigma, cap, share, policy, seed=1):
     )
 
 
-for name, (med, sig, capl) in {
-    "competition": (2500, 0.8, 8192),
-    "olympiad": (6000, 0.7, 8192),
-    "scienceqa": (1800, 0.9, 8192),
-}.items():
-    for B, G, M in [(32, 8, 2), (32, 16, 4), (128, 8, 8)]:
-        for pol in ["fifo", "lpt", "spt"]:
-            r = run(B, G, M, med, sig, capl, 0.5, pol)
-            waitred = 1 - r["wait"] / r["wait_sync"]
-            print(
-                f"{name:12s} b{B}n{G}m{M} {pol:5s} R={r['R']:.0f} T={r['T']:.0f} E={r['E']:.0f} "
-                f"sync={r['sync']:.0f} r2t reduction={r['red']:.1%} wait reduction={waitred:.0%}"
-            )
+def simulate_window(L, gpm, W, engines=2, slots=256, a=0.006, c=0.00008):
+    """Admit groups in index order, but only groups of mini-batch < completed_groups//gpm + W."""
+    B, G = L.shape
+    nxt = 0  # next group index to admit
+    pending = []  # samples of admitted groups not yet running
+    running = [[] for _ in range(engines)]
+    t = 0.0
+    left = np.full(B, G)
+    done_at = np.zeros(B)
+    ndone = 0
+    while nxt < B or pending or any(running):
+        limit = (ndone // gpm + W) * gpm
+        while nxt < B and nxt < limit:
+            pending += [(nxt, s) for s in range(G)]
+            nxt += 1
+        for e in range(engines):
+            while pending and len(running[e]) < slots:
+                g, s = pending.pop(0)
+                running[e].append([float(L[g, s]), g])
+        if not any(running):
+            # nothing runnable but window closed: cannot happen (groups in window are running)
+            W += 1
+            continue
+        dt = min(min(x[0] for x in r) * (a + c * len(r)) for r in running if r)
+        for e in range(engines):
+            r = running[e]
+            if not r:
+                continue
+            adv = dt / (a + c * len(r))
+            keep = []
+            for x in r:
+                x[0] -= adv
+                if x[0] <= 1e-9:
+                    left[x[1]] -= 1
+                    if left[x[1]] == 0:
+                        done_at[x[1]] = t + dt
+                        ndone += 1
+                else:
+                    keep.append(x)
+            running[e] = keep
+        t += dt
+    return done_at
+
+
+def main() -> None:
+    workloads = {
+        "gsm8k": (450, 0.6, 2048),
+        "competition": (2500, 0.8, 8192),
+        "olympiad": (6000, 0.7, 8192),
+        "scienceqa": (1800, 0.9, 8192),
+    }
+    print("r2t reduction vs sync, by admission order (oracle orders need every length in advance)")
+    for name, (med, sig, capl) in workloads.items():
+        for B, G, M in [(32, 8, 2), (32, 16, 4), (128, 8, 8)]:
+            row = []
+            for pol in ["fifo", "lpt", "spt"]:
+                red = np.mean([run(B, G, M, med, sig, capl, 0.5, pol, seed)["red"] for seed in range(3)])
+                row.append(f"{pol}={red:.1%}")
+            for W in [1, 2, 3]:
+                rs = []
+                for seed in range(3):
+                    L = lengths(B, G, med, sig, capl, 0.5, seed)
+                    done = simulate_window(L, B // M, W)
+                    E, T, _ = trainer_end(done, L, B // M)
+                    rs.append(1 - E / (done.max() + T))
+                row.append(f"window{W}={np.mean(rs):.1%}")
+            print(f"{name:12s} b{B}-n{G}-mb{M}  " + "  ".join(row))
+
+
+if __name__ == "__main__":
+    main()
