@@ -157,6 +157,13 @@ def run_cluster(
                                 r2t=f"{ev.rollout_to_train_end_s:.2f}s",
                             )
                             bar.update(1)
+        # The trainer sends a step's metrics just before publishing its weights; let it finish.
+        trainer = next((p for p in cluster.procs if p.name == "trainer"), None)
+        if trainer is not None:
+            try:
+                trainer.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                log.warning("trainer still running 60 s after its last step; stopping it")
     finally:
         if bar is not None:
             bar.close()

@@ -208,12 +208,6 @@ class Trainer:
         train_end = time.time()
         if self.record is not None:
             self.record.flush()
-        await self.publish(step + 1)
-        pipe = self.b.r.pipeline(transaction=True)
-        if consumed:
-            pipe.sadd(self.k.consumed(step), *consumed)
-        pipe.xack(self.k.groups, GROUP, *entry_ids)
-        await pipe.execute()
         if self.cfg.trainer.record_timeline:
             rec = {
                 "step": step,
@@ -227,7 +221,7 @@ class Trainer:
                 f.write(json.dumps(rec) + "\n")
         window = max(train_end - clock.step_start, 1e-9)
         lat = np.asarray(clock.latencies or [0.0])
-        return StepMetrics(
+        m = StepMetrics(
             run=self.b.run,
             step=step,
             policy_version=step,
@@ -252,6 +246,18 @@ class Trainer:
             step_start=clock.step_start,
             train_end=train_end,
         )
+        # Metrics go out (file, then control) before the new version, so the controller can read
+        # this step's timings before it plans the next one (the FGD window uses them).
+        with (self.out / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(m.model_dump(mode="json", exclude={"kind", "schema_version"})) + "\n")
+        await self.b.publish(self.k.control, m)
+        await self.publish(step + 1)
+        pipe = self.b.r.pipeline(transaction=True)
+        if consumed:
+            pipe.sadd(self.k.consumed(step), *consumed)
+        pipe.xack(self.k.groups, GROUP, *entry_ids)
+        await pipe.execute()
+        return m
 
     async def run(self, stop: asyncio.Event) -> int:
         await self.b.ensure_group(self.k.groups, GROUP)
@@ -261,7 +267,6 @@ class Trainer:
         if pv is None:
             await self.publish(0)
         reader = asyncio.create_task(self._reader(stop))
-        metrics_path = self.out / "metrics.jsonl"
         try:
             for step in range(version, self.cfg.controller.steps):
                 plan = await self.wait_plan(step, stop)
@@ -270,9 +275,6 @@ class Trainer:
                 m = await self.train_step(step, plan, stop)
                 if m is None:
                     break
-                with metrics_path.open("a") as f:
-                    f.write(json.dumps(m.model_dump(mode="json", exclude={"kind", "schema_version"})) + "\n")
-                await self.b.publish(self.k.control, m)
                 log.info(
                     "step %d: reward %.3f, %.2fs rollout-to-train-end, wait ratio %.2f",
                     step,

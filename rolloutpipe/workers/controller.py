@@ -16,10 +16,12 @@ import json
 import logging
 import time
 from collections import OrderedDict
+from typing import Any
 
 from rolloutpipe.broker.events import PolicyVersion, RolloutRequest, StepMetrics, StepPlan
 from rolloutpipe.broker.streams import DATA, Broker, connect
 from rolloutpipe.config import Config
+from rolloutpipe.errors import CodecError
 from rolloutpipe.workers.task import Prompt, load_dataset
 
 log = logging.getLogger("rolloutpipe.controller")
@@ -144,7 +146,7 @@ class Controller:
         if cc.mode in ("sync", "cgp"):
             await self._release(step, reqs)
         else:
-            await self._release_fgd(step, reqs, stop)
+            await self._release_fgd(step, reqs, stop, window=await self.use_window(step))
         log.info("step %d: %d requests released (%s)", step, len(reqs), cc.mode)
 
     async def _release(self, step: int, reqs: list[RolloutRequest]) -> None:
@@ -158,7 +160,45 @@ class Controller:
         pipe.incrby(self.k.released(step), len(reqs))
         await pipe.execute()
 
-    async def _release_fgd(self, step: int, reqs: list[RolloutRequest], stop: asyncio.Event) -> None:
+    async def use_window(self, step: int) -> bool:
+        """Hold later groups back only when the trainer, not the rollout, sets the step's end.
+
+        Holding groups back shortens decode steps for the frontier, so training starts sooner, but
+        costs engine throughput.  That pays off when training is long next to the rollout: judged on
+        the previous step, training time >= ``fgd_window_min_train_ratio`` x rollout makespan.
+        """
+        cc = self.cfg.controller
+        if cc.fgd_lookahead <= 0:
+            return False
+        prev = await self.previous_metrics(step - 1)
+        if prev is None or prev.rollout_makespan_s <= 0:
+            return True
+        ratio = prev.train_busy_s / prev.rollout_makespan_s
+        on = ratio >= cc.fgd_window_min_train_ratio
+        log.info(
+            "step %d: training/rollout %.2f last step -> frontier window %s",
+            step,
+            ratio,
+            "on" if on else "off",
+        )
+        return on
+
+    async def previous_metrics(self, step: int) -> StepMetrics | None:
+        if step < 0:
+            return None
+        entries: Any = await self.b.r.xrevrange(self.k.control, count=64)
+        for _id, fields in entries or []:
+            try:
+                ev = self.b.codec.decode((fields or {}).get(DATA, b""))
+            except CodecError:
+                continue
+            if isinstance(ev, StepMetrics) and ev.step == step:
+                return ev
+        return None
+
+    async def _release_fgd(
+        self, step: int, reqs: list[RolloutRequest], stop: asyncio.Event, window: bool = True
+    ) -> None:
         """Admit as capacity frees, frontier groups first.
 
         The frontier is the groups the trainer needs next.  Groups already under way come first, then
@@ -188,7 +228,7 @@ class Controller:
                     await asyncio.wait_for(stop.wait(), 0.005)
                 continue
             limit = len(reqs)  # groups that may be under way
-            if cc.fgd_lookahead > 0:
+            if window and cc.fgd_lookahead > 0:
                 complete = int(await self.b.r.scard(self.k.emitted(step)))
                 limit = (complete // gpm + cc.fgd_lookahead) * gpm
             batch: list[RolloutRequest] = []
