@@ -67,6 +67,8 @@ class Controller:
         self.b = broker
         self.k = broker.keys
         self.prompts = load_dataset(cfg.task.dataset, cfg.task.num_prompts, cfg.task.seed)
+        self.window_on: dict[int, bool] = {}  # FGD frontier window per step
+        self.free_makespan: float | None = None  # makespan of the last step without the window
 
     async def version(self) -> int:
         raw = await self.b.r.get(self.k.version)
@@ -164,17 +166,24 @@ class Controller:
         """Hold later groups back only when the trainer, not the rollout, sets the step's end.
 
         Holding groups back shortens decode steps for the frontier, so training starts sooner, but
-        costs engine throughput.  That pays off when training is long next to the rollout: judged on
-        the previous step, training time >= ``fgd_window_min_train_ratio`` x rollout makespan.
+        costs engine throughput.  That pays off when training is long next to the rollout:
+        training time of the previous step >= ``fgd_window_min_train_ratio`` x the rollout makespan
+        of the last step run *without* the window (the window itself stretches the makespan, so
+        measuring under it would switch it off again).  With no such step yet the window is off.
         """
         cc = self.cfg.controller
         if cc.fgd_lookahead <= 0:
             return False
         prev = await self.previous_metrics(step - 1)
-        if prev is None or prev.rollout_makespan_s <= 0:
-            return True
-        ratio = prev.train_busy_s / prev.rollout_makespan_s
+        if prev is None:
+            return False
+        if not self.window_on.get(step - 1, False) and prev.rollout_makespan_s > 0:
+            self.free_makespan = prev.rollout_makespan_s
+        if self.free_makespan is None:
+            return False
+        ratio = prev.train_busy_s / self.free_makespan
         on = ratio >= cc.fgd_window_min_train_ratio
+        self.window_on[step] = on
         log.info(
             "step %d: training/rollout %.2f last step -> frontier window %s",
             step,
