@@ -189,7 +189,8 @@ def run_bench(
     progress: bool = True,
     suite: str = "",
     scale: float | None = None,
-) -> int:
+) -> tuple[str, str]:
+    """Run the benchmark; returns the table and a line saying where the results are."""
     extra = list(overrides)
     if steps is not None:
         extra.append(f"controller.steps={steps}")
@@ -226,6 +227,4 @@ def run_bench(
     (out / "results.json").write_text(json.dumps(doc, indent=2))
     text = mode_table(results[0]) if len(results) == 1 else suite_table(results)
     (out / "results.md").write_text(text + "\n")
-    print(text)
-    print(f"\nresults: {out / 'results.json'}, {out / 'results.md'} ({doc['wall_s']:.0f} s)", file=sys.stderr)
-    return 0
+    return text, f"results: {out / 'results.json'}, {out / 'results.md'} ({doc['wall_s']:.0f} s)"

@@ -85,7 +85,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from rolloutpipe.bench import run_bench
 
     setup_logging("WARNING", "bench")
-    return run_bench(
+    table, where = run_bench(
         args.config or None,
         Path(args.out),
         args.overrides,
@@ -95,6 +95,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         suite=args.suite,
         scale=args.scale,
     )
+    print(table)
+    print(f"\n{where}", file=sys.stderr)
+    return 0
 
 
 def cmd_role(args: argparse.Namespace) -> int:
