@@ -22,45 +22,9 @@ def lengths(B, G, median, sigma, cap, share, seed):
 
 
 def simulate(L, order, engines=2, slots=256, a=0.006, c=0.00008):
-    """order: list of (group, sample) in admission priority; late binding (one global queue).
-    Returns each group's completion time (prefill is ignored: it is <1% of a step here)."""
-    B, G = L.shape
-    queue = list(order)
-    running = [[] for _ in range(engines)]  # [remaining tokens, g]
-    t = 0.0
-    left = np.full(B, G)
-    done_at = np.zeros(B)
-    ndone = 0
-    while queue or any(running):
-        for e in range(engines):
-            while queue and len(running[e]) < slots:
-                g, s = queue.pop(0)
-                running[e].append([float(L[g, s]), g])
-        # advance to next completion across engines (engines independent; approximate with common clock step)
-        dts = []
-        for e in range(engines):
-            if running[e]:
-                st = a + c * len(running[e])
-                dts.append(min(x[0] for x in running[e]) * st)
-        dt = min(dts)
-        for e in range(engines):
-            if not running[e]:
-                continue
-            st = a + c * len(running[e])
-            adv = dt / st
-            keep = []
-            for x in running[e]:
-                x[0] -= adv
-                if x[0] <= 1e-9:
-                    left[x[1]] -= 1
-                    if left[x[1]] == 0:
-                        done_at[x[1]] = t + dt
-                        ndone += 1
-                else:
-                    keep.append(x)
-            running[e] = keep
-        t += dt
-    return done_at
+    """Admission in ``order`` (a list of (group, sample)) into free slots, one global queue (late
+    binding).  Returns each group's completion time (prefill ignored: <1% of a step here)."""
+    return simulate_window(L, None, None, engines, slots, a, c, order=order)
 
 
 def trainer_end(done_at, L, gpm, tps=34000, passes=1.67, prompt=256):
@@ -102,10 +66,12 @@ def run(B, G, M, median, sigma, cap, share, policy, seed=1):
     )
 
 
-def simulate_window(L, gpm, W, engines=2, slots=256, a=0.006, c=0.00008):
-    """Admit groups in index order, but only groups of mini-batch < completed_groups//gpm + W."""
+def simulate_window(L, gpm, W, engines=2, slots=256, a=0.006, c=0.00008, order=None):
+    """Groups in ``order`` (default: index order); with a window ``W``, only groups of mini-batch
+    < completed_groups // gpm + W are admitted."""
     B, G = L.shape
-    nxt = 0  # next group index to admit
+    group_order = list(dict.fromkeys(g for g, _ in order)) if order else list(range(B))
+    nxt = 0  # index into group_order of the next group to admit
     pending = []  # samples of admitted groups not yet running
     running = [[] for _ in range(engines)]
     t = 0.0
@@ -113,18 +79,14 @@ def simulate_window(L, gpm, W, engines=2, slots=256, a=0.006, c=0.00008):
     done_at = np.zeros(B)
     ndone = 0
     while nxt < B or pending or any(running):
-        limit = (ndone // gpm + W) * gpm
+        limit = B if W is None else (ndone // gpm + W) * gpm
         while nxt < B and nxt < limit:
-            pending += [(nxt, s) for s in range(G)]
+            pending += [(group_order[nxt], s) for s in range(G)]
             nxt += 1
         for e in range(engines):
             while pending and len(running[e]) < slots:
                 g, s = pending.pop(0)
                 running[e].append([float(L[g, s]), g])
-        if not any(running):
-            # nothing runnable but window closed: cannot happen (groups in window are running)
-            W += 1
-            continue
         dt = min(min(x[0] for x in r) * (a + c * len(r)) for r in running if r)
         for e in range(engines):
             r = running[e]

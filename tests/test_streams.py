@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from rolloutpipe.broker.codec import DEFAULT_CODEC
-from rolloutpipe.broker.embedded import EmbeddedRedis, find_redis_server
+from rolloutpipe.broker.embedded import EmbeddedRedis, find_redis_server, ping
 from rolloutpipe.broker.events import DeadLetter, PolicyVersion, StepPlan
 from rolloutpipe.broker.streams import DATA, Broker, Entry
 from rolloutpipe.errors import EmbeddedRedisError
@@ -229,15 +228,6 @@ async def test_decode_or_dlq_dead_letters_and_acks_garbage(broker: Broker, ar: a
 # --- the embedded redis-server --------------------------------------------------------------------
 
 
-def _ping(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
 async def test_embedded_redis_starts_answers_and_stops() -> None:
     er = EmbeddedRedis()
     er.start()
@@ -255,15 +245,15 @@ async def test_embedded_redis_starts_answers_and_stops() -> None:
         er.stop()
     assert er.proc is None
     assert proc.poll() is not None  # the process is gone
-    assert not _ping(er.port)
+    assert not ping(er.port)
 
 
 def test_embedded_redis_context_manager(tmp_path: Path) -> None:
     with EmbeddedRedis(dir=str(tmp_path / "redis")) as er:
         assert er.port != 6379
-        assert _ping(er.port)
+        assert ping(er.port)
         assert (tmp_path / "redis").is_dir()
-    assert not _ping(er.port)
+    assert not ping(er.port)
 
 
 def test_missing_redis_server_binary_gives_install_hint(

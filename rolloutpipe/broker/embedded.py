@@ -98,7 +98,7 @@ class EmbeddedRedis:
                 if self.proc.poll() is not None:
                     last_err = (self.proc.stderr.read() if self.proc.stderr else b"").decode(errors="replace")
                     break
-                if _ping(self.port):
+                if ping(self.port):
                     log.info("embedded redis-server on 127.0.0.1:%d (%s)", self.port, binary)
                     return self
                 time.sleep(0.02)
@@ -134,7 +134,8 @@ class EmbeddedRedis:
         self.stop()
 
 
-def _ping(port: int) -> bool:
+def ping(port: int) -> bool:
+    """Whether a Redis server answers PING on 127.0.0.1:port."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
             s.sendall(b"PING\r\n")

@@ -174,8 +174,13 @@ class Broker:
         policy_version: int = -1,
         payload: bytes | None = None,
         counter: str = "dead_letters",
+        ack_group: str | None = None,
     ) -> None:
-        """Write to ``dlq`` with a reason and count it.  Never silent."""
+        """Write to ``dlq`` with a reason and count it.  Never silent.
+
+        With ``ack_group`` the entry is acknowledged in the same transaction, so it is either still
+        pending (and will be looked at again) or dead-lettered, never both or neither.
+        """
         dl = DeadLetter(
             run=self.run,
             step=step,
@@ -189,6 +194,8 @@ class Broker:
         )
         pipe = self.r.pipeline(transaction=True)
         pipe.xadd(self.keys.dlq, {DATA: self.encode(dl)}, maxlen=self.maxlen, approximate=True)
+        if ack_group is not None and entry is not None:
+            pipe.xack(entry.stream, ack_group, entry.id)
         pipe.hincrby(self.keys.stats, "dead_letters", 1)
         if counter != "dead_letters":
             pipe.hincrby(self.keys.stats, counter, 1)
@@ -206,8 +213,7 @@ class Broker:
         try:
             event = self.decode(entry)
         except CodecError as e:
-            await self.dead_letter(entry, f"decode: {e}")
-            await self.ack(entry.stream, group, entry.id)
+            await self.dead_letter(entry, f"decode: {e}", ack_group=group)
             return None
         if not isinstance(event, expected):
             await self.dead_letter(
@@ -215,12 +221,13 @@ class Broker:
                 f"unexpected kind {event.kind!r} on {entry.stream}",
                 step=event.step,
                 policy_version=event.policy_version,
+                ack_group=group,
             )
-            await self.ack(entry.stream, group, entry.id)
             return None
         if event.run != self.run:
-            await self.dead_letter(entry, f"event of run {event.run!r} on run {self.run!r}", step=event.step)
-            await self.ack(entry.stream, group, entry.id)
+            await self.dead_letter(
+                entry, f"event of run {event.run!r} on run {self.run!r}", step=event.step, ack_group=group
+            )
             return None
         return event
 

@@ -35,7 +35,7 @@ GROUP = "trainer"
 @dataclass
 class _Read:
     entry: Entry
-    group: Group | None
+    group: Group
     read_at: float
 
 
@@ -159,7 +159,6 @@ class Trainer:
             except TimeoutError:
                 continue
             g = item.group
-            assert g is not None
             try:
                 fence.check(g)
             except StaleVersionError as e:
@@ -169,8 +168,8 @@ class Trainer:
                     step=step,
                     policy_version=g.policy_version,
                     counter="fence_rejections",
+                    ack_group=GROUP,
                 )
-                await self.b.ack(self.k.groups, GROUP, item.entry.id)
                 continue
             if g.group_id in seen:
                 log.warning("group %s already consumed; acknowledging the duplicate", g.group_id)

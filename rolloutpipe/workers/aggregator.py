@@ -94,8 +94,8 @@ class Aggregator:
                 step=ev.step,
                 policy_version=ev.policy_version,
                 counter="fence_rejections" if "stale" in reject else "dead_letters",
+                ack_group=GROUP,
             )
-            await self.b.ack(self.k.samples, GROUP, entry.id)
             return
         if await self.b.r.sismember(self.k.emitted(ev.step), ev.group_id):
             await self._duplicate(entry, ev, "group already emitted")

@@ -113,8 +113,8 @@ class RolloutWorker:
                     step=req.step,
                     policy_version=req.policy_version,
                     counter="fence_rejections",
+                    ack_group=GROUP,
                 )
-                await self.b.ack(self.k.requests, GROUP, entry.id)
                 return
             reward = float(self.verifier(gen.text, req.answer))
             sample = Sample(
@@ -167,8 +167,8 @@ class RolloutWorker:
                 step=ev.step,
                 policy_version=ev.policy_version,
                 counter="fence_rejections",
+                ack_group=GROUP,
             )
-            await self.b.ack(self.k.requests, GROUP, entry.id)
             return
         if entry.id in self.inflight:
             return
