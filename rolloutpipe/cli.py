@@ -48,7 +48,11 @@ def _parser() -> argparse.ArgumentParser:
         rp.add_argument("--redis-url", required=True)
         rp.add_argument("--run", required=True)
         rp.add_argument("--out", help="trainer: where weights and metrics.jsonl go")
-        rp.add_argument("--worker-id", default="", help="rollout: stable consumer name")
+        if role == "rollout":
+            rp.add_argument("--worker-id", default="", help="stable consumer name (default host-pid)")
+            rp.add_argument("--engine", choices=["transformers", "emulated", "vllm"], help="rollout.engine")
+        if role == "trainer":
+            rp.add_argument("--backend", choices=["torch", "emulated", "deepspeed"], help="trainer.backend")
         rp.add_argument("overrides", nargs="*", help="dotted.key=value")
     return p
 
@@ -101,7 +105,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_role(args: argparse.Namespace) -> int:
-    cfg = _cfg(args, [f"run={args.run}"])
+    extra = [f"run={args.run}"]
+    if getattr(args, "engine", None):
+        extra.append(f"rollout.engine={args.engine}")
+    if getattr(args, "backend", None):
+        extra.append(f"trainer.backend={args.backend}")
+    cfg = _cfg(args, extra)
     setup_logging(cfg.log_level, args.cmd)
     url = args.redis_url
 

@@ -28,6 +28,7 @@ class TaskConfig(_Section):
 
     dataset: str = "rolloutpipe.workers.task:mod10_addition"
     verifier: str = "rolloutpipe.workers.verifiers:first_char_match"
+    path: str = ""  # a file for datasets that read one (rolloutpipe.workers.task:jsonl)
     num_prompts: int = 1000
     seed: int = 0
 
@@ -35,7 +36,11 @@ class TaskConfig(_Section):
 class ModelConfig(_Section):
     """The tiny Qwen3-architecture policy built locally (no download)."""
 
-    path: str = ""  # empty: build the tiny model under the cache dir
+    path: str = ""  # empty: build the tiny model under the cache dir; else a HF checkpoint dir
+    # "char": the tiny model's character vocabulary; "hf": the checkpoint's tokenizer; "auto": char
+    # for the built model, hf for ``path``.
+    tokenizer: Literal["auto", "char", "hf"] = "auto"
+    chat_template: bool = True  # hf: wrap the prompt in the tokenizer's chat template, if it has one
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 4
@@ -67,8 +72,25 @@ class EmulatedEngineConfig(_Section):
     pass_rate_beta: float = 1.0
 
 
+class VllmEngineConfig(_Section):
+    """vLLM's async engine (V1 ``AsyncLLM``); imported only when ``rollout.engine`` is ``vllm``.
+
+    Slots: ``rollout.max_concurrency`` becomes vLLM's ``max_num_seqs``, so the worker never holds
+    more requests than vLLM runs at once and vLLM's own queue cannot reorder FGD's admission.
+    """
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    gpu_memory_utilization: float = 0.85
+    max_model_len: int = 0  # 0: the model's own
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False  # True skips CUDA-graph capture (faster start, slower decode)
+    enable_prefix_caching: bool = True  # the G samples of a prompt share its prefill
+    kv_cache_space_gib: float = 1.0  # CPU backend only: VLLM_CPU_KVCACHE_SPACE
+    extra_args: dict[str, Any] = Field(default_factory=dict)  # more AsyncEngineArgs, passed through
+
+
 class RolloutConfig(_Section):
-    engine: Literal["transformers", "emulated"] = "transformers"
+    engine: Literal["transformers", "emulated", "vllm"] = "transformers"
     engine_plugin: str = ""  # dotted path to an Engine factory; overrides ``engine``
     workers: int = 2  # rollout worker processes started by ``rolloutpipe run``
     max_concurrency: int = 64  # sequences one worker runs at once
@@ -84,6 +106,15 @@ class RolloutConfig(_Section):
     # Requests taken per XREADGROUP.  Small reads let several workers interleave, so a burst of
     # released requests spreads over the engines instead of landing on whichever reads first.
     read_batch: int = 16
+    # What happens to requests still generating when a newer policy version is published:
+    # "finish" lets them complete on the old weights first (they belong to the old step and are
+    # published with the old version); "abort" cancels them and dead-letters them as stale.
+    # Neither ever publishes a sample under a version that did not generate it.
+    on_new_version: Literal["finish", "abort"] = "finish"
+    # CUDA_VISIBLE_DEVICES of each worker that ``rolloutpipe run`` starts (worker i gets entry
+    # i mod len), e.g. ["0", "1"], or ["0,1", "2,3"] with tensor_parallel_size 2.  Empty: inherit.
+    devices: list[str] = Field(default_factory=list)
+    vllm: VllmEngineConfig = Field(default_factory=VllmEngineConfig)
     emulated: EmulatedEngineConfig = Field(default_factory=EmulatedEngineConfig)
 
 
@@ -124,8 +155,19 @@ class EmulatedTrainerConfig(_Section):
     logprob_pass_factor: float = 0.0  # extra forward passes a slime-style step does, as a fraction
 
 
+class DeepSpeedConfig(_Section):
+    """DeepSpeed ZeRO data parallel, launched with ``torchrun`` or ``deepspeed`` (one process a GPU)."""
+
+    zero_stage: Literal[1, 2, 3] = 2
+    dtype: Literal["fp32", "bf16"] = "bf16"  # bf16 on GPU; fp32 or bf16 on CPU
+    dist_backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl with CUDA, else gloo
+    extra: dict[str, Any] = Field(default_factory=dict)  # merged into the generated DS config
+
+
 class TrainerConfig(_Section):
-    backend: Literal["torch", "emulated"] = "torch"
+    backend: Literal["torch", "emulated", "deepspeed"] = "torch"
+    nproc: int = 1  # deepspeed: data-parallel processes (one a GPU) under torchrun
+    devices: str = ""  # CUDA_VISIBLE_DEVICES of the trainer started by ``rolloutpipe run``
     lr: float = 5e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -136,6 +178,7 @@ class TrainerConfig(_Section):
     record_groups: bool = False  # write every consumed group to OUT/groups.msgpack (replay, audits)
     keep_versions: int = 3  # published weight versions kept on disk (0 keeps all)
     record_timeline: bool = False  # write OUT/timeline.jsonl: per-sample and trainer busy intervals
+    deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
     emulated: EmulatedTrainerConfig = Field(default_factory=EmulatedTrainerConfig)
 
 

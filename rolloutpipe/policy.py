@@ -13,7 +13,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -40,8 +40,20 @@ def build_tokenizer() -> Any:
     )
 
 
+class TextCodec(Protocol):
+    """Prompt text -> token ids (BOS/chat template included); response ids -> text."""
+
+    eos_token_id: int
+
+    def encode_prompt(self, text: str) -> np.ndarray: ...
+
+    def decode(self, ids: np.ndarray) -> str: ...
+
+
 class CharCodec:
     """Fast encode/decode for the char vocabulary (same ids as the saved tokenizer)."""
+
+    eos_token_id = EOS
 
     def __init__(self) -> None:
         self.ids = {t: i for i, t in enumerate(VOCAB)}
@@ -56,10 +68,48 @@ class CharCodec:
         return "".join(VOCAB[int(i)] for i in ids if int(i) > EOS)
 
 
+class HFTextCodec:
+    """A real checkpoint's own tokenizer (``model.path``), with its chat template if it has one."""
+
+    def __init__(self, path: Path, chat_template: bool) -> None:
+        from transformers import AutoTokenizer
+
+        self.tok: Any = AutoTokenizer.from_pretrained(path)
+        self.chat = chat_template and getattr(self.tok, "chat_template", None) is not None
+        eos = self.tok.eos_token_id
+        if eos is None:
+            raise ValueError(f"the tokenizer at {path} has no eos_token_id")
+        self.eos_token_id = int(eos)
+
+    def encode_prompt(self, text: str) -> np.ndarray:
+        if self.chat:
+            msgs = [{"role": "user", "content": text}]
+            ids = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in newer transformers
+                ids = ids["input_ids"]
+        else:
+            ids = self.tok(text, add_special_tokens=True)["input_ids"]
+        return np.asarray(ids, dtype=np.int32)
+
+    def decode(self, ids: np.ndarray) -> str:
+        text: str = self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+        return text
+
+
+def text_codec(cfg: ModelConfig) -> TextCodec:
+    """The char codec for the built tiny model; the checkpoint's tokenizer for ``model.path``."""
+    kind = cfg.tokenizer
+    if kind == "auto":
+        kind = "hf" if cfg.path else "char"
+    if kind == "char":
+        return CharCodec()
+    return HFTextCodec(ensure_model(cfg), cfg.chat_template)
+
+
 def _model_key(cfg: ModelConfig) -> str:
     d = cfg.model_dump()
-    d.pop("path")
-    d.pop("cache_dir")
+    for k in ("path", "cache_dir", "tokenizer", "chat_template"):
+        d.pop(k)
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 

@@ -19,7 +19,7 @@ from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.embedded import EmbeddedRedis
 from rolloutpipe.broker.events import StepMetrics
 from rolloutpipe.broker.streams import Keys
-from rolloutpipe.config import Config
+from rolloutpipe.config import Config, TrainerConfig
 from rolloutpipe.errors import CodecError
 
 log = logging.getLogger("rolloutpipe.run")
@@ -42,13 +42,22 @@ class Cluster:
     out: Path
     procs: list[RoleProc] = field(default_factory=list)
 
-    def spawn(self, role: str, name: str, extra: list[str] | None = None) -> RoleProc:
+    def spawn(
+        self,
+        role: str,
+        name: str,
+        extra: list[str] | None = None,
+        *,
+        devices: str = "",
+        launcher: list[str] | None = None,
+    ) -> RoleProc:
         logs = self.out / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         lp = logs / f"{name}.log"
         lf = lp.open("wb")
         cmd = [
             sys.executable,
+            *(launcher or []),
             "-m",
             "rolloutpipe",
             role,
@@ -61,6 +70,8 @@ class Cluster:
         ]
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         env = {k: v for k, v in env.items() if not (k.startswith("RP_") and k != "RP_REDIS_SERVER")}
+        if devices:
+            env["CUDA_VISIBLE_DEVICES"] = devices
         p = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         rp = RoleProc(name, p, lp, lf)
         self.procs.append(rp)
@@ -68,10 +79,13 @@ class Cluster:
 
     def start(self) -> None:
         self.cfg.dump_yaml(self.out / "config.yaml")
-        self.spawn("trainer", "trainer", ["--out", str(self.out)])
+        tc, rc = self.cfg.trainer, self.cfg.rollout
+        out = ["--out", str(self.out)]
+        self.spawn("trainer", "trainer", out, devices=tc.devices, launcher=trainer_launcher(tc))
         self.spawn("aggregator", "aggregator")
-        for i in range(self.cfg.rollout.workers):
-            self.spawn("rollout", f"rollout-{i}", ["--worker-id", f"{self.cfg.run}-w{i}"])
+        for i in range(rc.workers):
+            devices = rc.devices[i % len(rc.devices)] if rc.devices else ""
+            self.spawn("rollout", f"rollout-{i}", ["--worker-id", f"{self.cfg.run}-w{i}"], devices=devices)
         self.spawn("controller", "controller")
 
     def failed(self) -> RoleProc | None:
@@ -94,6 +108,13 @@ class Cluster:
                 rp.proc.kill()
                 rp.proc.wait()
             rp.log_file.close()
+
+
+def trainer_launcher(tc: TrainerConfig) -> list[str]:
+    """``python -m torch.distributed.run … -m rolloutpipe trainer`` for the DeepSpeed backend."""
+    if tc.backend != "deepspeed":
+        return []
+    return ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tc.nproc}"]
 
 
 def tail(path: Path, n: int = 20) -> str:

@@ -66,7 +66,7 @@ class Controller:
         self.cfg = cfg
         self.b = broker
         self.k = broker.keys
-        self.prompts = load_dataset(cfg.task.dataset, cfg.task.num_prompts, cfg.task.seed)
+        self.prompts = load_dataset(cfg.task.dataset, cfg.task.num_prompts, cfg.task.seed, cfg.task.path)
         self.window_on: dict[int, bool] = {}  # FGD frontier window per step
         self.free_makespan: float | None = None  # makespan of the last step without the window
 

@@ -7,7 +7,8 @@
 * A heartbeat key with a TTL says the worker is alive; the worker also resets the idle time of
   the requests it still works on, so only a dead worker's requests go idle long enough to be
   taken over with XAUTOCLAIM by a live one.
-* Weights are switched only to a verified version, and only between steps.
+* Weights are switched only to a verified version, and only between steps; requests still
+  generating then are finished on the old weights or aborted (``rollout.on_new_version``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class RolloutWorker:
         self.verifier: Callable[[str, str], float] = import_string(cfg.task.verifier)
         self.version = -1
         self.inflight: dict[str, asyncio.Task[None]] = {}
+        self.inflight_reqs: dict[str, tuple[Entry, RolloutRequest]] = {}
         self.samples = 0
         self._live = 1
         self._live_checked = 0.0
@@ -89,8 +91,8 @@ class RolloutWorker:
             if pv is None or pv.policy_version < want:
                 await asyncio.sleep(0.01)
                 continue
-            if self.inflight:  # finish (or fail) the old version's work before switching
-                await asyncio.gather(*self.inflight.values(), return_exceptions=True)
+            if self.inflight:
+                await self.retire_old_version(pv.policy_version)
             try:
                 await self.engine.load_weights(pv)
             except WeightsVerificationError as e:
@@ -101,6 +103,31 @@ class RolloutWorker:
             self.version = pv.policy_version
             log.info("worker %s now on policy version %d", self.id, self.version)
         return self.version >= want
+
+    async def retire_old_version(self, new_version: int) -> None:
+        """Before a weight switch: finish or abort (``rollout.on_new_version``) the old version's work.
+
+        Finished samples go out under the version that generated them; aborted requests are
+        dead-lettered as stale.  Either way nothing is published under the new version.
+        """
+        if self.cfg.rollout.on_new_version == "abort":
+            aborted = list(self.inflight_reqs.items())
+            for task in self.inflight.values():
+                task.cancel()  # the engine aborts the request (vLLM: on cancellation)
+            await asyncio.gather(*self.inflight.values(), return_exceptions=True)
+            for _, (entry, req) in aborted:
+                await self.b.dead_letter(
+                    entry,
+                    f"stale: aborted when policy version {new_version} was published",
+                    step=req.step,
+                    policy_version=req.policy_version,
+                    counter="aborted_requests",
+                    ack_group=GROUP,
+                )
+            if aborted:
+                log.info("aborted %d requests of version %d", len(aborted), self.version)
+        else:
+            await asyncio.gather(*self.inflight.values(), return_exceptions=True)
 
     async def handle(self, entry: Entry, req: RolloutRequest) -> None:
         try:
@@ -152,6 +179,7 @@ class RolloutWorker:
                 await self.b.incr("generation_errors")
         finally:
             self.inflight.pop(entry.id, None)
+            self.inflight_reqs.pop(entry.id, None)
 
     async def admit(self, entry: Entry, stop: asyncio.Event) -> None:
         ev = await self.b.decode_or_dlq(entry, GROUP, (RolloutRequest,))
@@ -172,6 +200,7 @@ class RolloutWorker:
             return
         if entry.id in self.inflight:
             return
+        self.inflight_reqs[entry.id] = (entry, ev)
         self.inflight[entry.id] = asyncio.create_task(self.handle(entry, ev))
 
     async def run(self, stop: asyncio.Event) -> int:

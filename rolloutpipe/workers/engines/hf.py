@@ -16,7 +16,7 @@ import numpy as np
 
 from rolloutpipe.broker.events import PolicyVersion, RolloutRequest
 from rolloutpipe.config import Config
-from rolloutpipe.policy import EOS, CharCodec, ensure_model, load_model, pad_right
+from rolloutpipe.policy import ensure_model, load_model, pad_right, text_codec
 from rolloutpipe.workers.engines.base import Generation
 
 log = logging.getLogger("rolloutpipe.rollout")
@@ -31,7 +31,7 @@ class _Pending:
 class TransformersEngine:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.codec = CharCodec()
+        self.codec = text_codec(cfg.model)
         self.model: Any = None
         self.queue: list[_Pending] = []
         self._wake = asyncio.Event()
@@ -103,13 +103,13 @@ class TransformersEngine:
                     tok = int(torch.multinomial(logp.exp(), 1, generator=gens[i]).item())
                     resp[i].append(tok)
                     lps[i].append(float(logp[tok]))
-                    if tok != EOS and len(resp[i]) < reqs[i].max_new_tokens:
+                    if tok != self.codec.eos_token_id and len(resp[i]) < reqs[i].max_new_tokens:
                         still.append(i)
                 active = still
         out = []
         for i, r in enumerate(reqs):
             ids_i = np.asarray(resp[i], np.int32)
-            reason = "stop" if len(ids_i) and ids_i[-1] == EOS else "length"
+            reason = "stop" if len(ids_i) and ids_i[-1] == self.codec.eos_token_id else "length"
             out.append(
                 Generation(
                     prompts[i], ids_i, np.asarray(lps[i], np.float32), self.codec.decode(ids_i), reason
