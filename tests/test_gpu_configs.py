@@ -71,7 +71,7 @@ def test_jsonl_dataset(tmp_path: Path) -> None:
     rows = load_dataset("rolloutpipe.workers.task:jsonl", 5, 0, str(f))
     assert len(rows) == 5
     assert {(r.text, r.answer) for r in rows} == {("2+2?", "4"), ("3+3?", "6")}
-    with pytest.raises(ConfigError, match="task.path"):
+    with pytest.raises(ConfigError, match=r"task\.path"):
         jsonl(3, 0)
     f.write_text('{"prompt": "x"}\n')
     with pytest.raises(ConfigError, match=r"d.jsonl:1"):

@@ -19,6 +19,10 @@ def make_engine(cfg: Config) -> Engine:
         from rolloutpipe.workers.engines.emulated import EmulatedEngine
 
         return EmulatedEngine(cfg.rollout.emulated, seed=cfg.controller.seed)
+    if cfg.rollout.engine == "vllm":
+        from rolloutpipe.workers.engines.vllm_engine import VllmEngine
+
+        return VllmEngine(cfg)
     from rolloutpipe.workers.engines.hf import TransformersEngine
 
     return TransformersEngine(cfg)

