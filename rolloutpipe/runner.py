@@ -57,8 +57,7 @@ class Cluster:
         lf = lp.open("wb")
         cmd = [
             sys.executable,
-            *(launcher or []),
-            "-m",
+            *(launcher or ["-m"]),
             "rolloutpipe",
             role,
             str(self.out / "config.yaml"),
@@ -111,10 +110,13 @@ class Cluster:
 
 
 def trainer_launcher(tc: TrainerConfig) -> list[str]:
-    """``python -m torch.distributed.run … -m rolloutpipe trainer`` for the DeepSpeed backend."""
+    """``python -m torch.distributed.run … -m -- rolloutpipe trainer`` for the DeepSpeed backend.
+
+    The ``--`` stops torchrun's parser from reading the trainer's ``--run`` as its ``--run-path``.
+    """
     if tc.backend != "deepspeed":
-        return []
-    return ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tc.nproc}"]
+        return ["-m"]
+    return ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tc.nproc}", "-m", "--"]
 
 
 def tail(path: Path, n: int = 20) -> str:

@@ -44,8 +44,10 @@ def test_deepspeed_trainer_is_started_under_torchrun(tmp_path: Path) -> None:
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={cfg.trainer.nproc}",
+        "-m",
+        "--",
     ]
-    assert trainer_launcher(cfg.trainer.model_copy(update={"backend": "torch"})) == []
+    assert trainer_launcher(cfg.trainer.model_copy(update={"backend": "torch"})) == ["-m"]
 
     spawned: list[tuple[str, str, list[str]]] = []
 
@@ -57,7 +59,7 @@ def test_deepspeed_trainer_is_started_under_torchrun(tmp_path: Path) -> None:
     by_name = {n: (d, lnch) for n, d, lnch in spawned}
     assert by_name["trainer"] == (cfg.trainer.devices, trainer_launcher(cfg.trainer))
     for i in range(cfg.rollout.workers):
-        assert by_name[f"rollout-{i}"] == (cfg.rollout.devices[i], [])
+        assert by_name[f"rollout-{i}"] == (cfg.rollout.devices[i], [])  # spawn's default: -m
 
 
 def test_jsonl_dataset(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
-"""Training backends: plain torch (CPU / one GPU) and an emulated trainer for benchmarks.
+"""Training backends: plain torch (CPU / one GPU), an emulated trainer for benchmarks, and
+DeepSpeed ZeRO data parallel (``ds_backend``).
 
-Both implement the same three calls: ``begin_step`` (freeze version k), ``accumulate(group)``
+All implement the same calls: ``begin_step`` (freeze version k), ``accumulate(group)``
 (forward + backward of one group) and ``optimizer_step`` (at a mini-batch boundary).
 """
 
@@ -148,4 +149,8 @@ class EmulatedBackend:
 def make_backend(cfg: Config) -> Backend:
     if cfg.trainer.backend == "emulated":
         return EmulatedBackend(cfg)
+    if cfg.trainer.backend == "deepspeed":  # rank 0; the other ranks run ds_backend.follow
+        from rolloutpipe.trainer.ds_backend import DeepSpeedBackend
+
+        return DeepSpeedBackend(cfg)
     return TorchBackend(cfg)

@@ -295,14 +295,23 @@ def _str(v: bytes | str) -> str:
 
 
 async def run_trainer(cfg: Config, url: str, run: str, out: Path, stop: asyncio.Event) -> int:
+    if cfg.trainer.backend != "emulated":
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    if cfg.trainer.backend == "deepspeed":
+        from rolloutpipe.trainer import ds_backend
+
+        if ds_backend.rank() > 0:  # only rank 0 talks to Redis; the others follow its calls
+            return await ds_backend.run_follower(cfg, stop)
     r = connect(url)
     try:
         broker = Broker(r, run, "trainer", maxlen=cfg.redis.maxlen)
-        if cfg.trainer.backend == "torch":
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
         backend = await asyncio.to_thread(make_backend, cfg)
-        return await Trainer(cfg, broker, backend, out).run(stop)
+        try:
+            return await Trainer(cfg, broker, backend, out).run(stop)
+        finally:
+            if (close := getattr(backend, "close", None)) is not None:  # deepspeed: release followers
+                await asyncio.to_thread(close)
     finally:
         await r.aclose()
