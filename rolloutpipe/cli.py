@@ -1,4 +1,4 @@
-"""Command line: ``rolloutpipe run|bench|controller|rollout|aggregator|trainer``.
+"""Command line: ``rolloutpipe run|bench|controller|rollout|aggregator|trainer|tail|status|report``.
 
 Config is loaded (YAML, ``RP_…`` env, ``dotted.key=value`` overrides) before any event loop starts.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -54,6 +55,48 @@ def _parser() -> argparse.ArgumentParser:
         if role == "trainer":
             rp.add_argument("--backend", choices=["torch", "emulated", "deepspeed"], help="trainer.backend")
         rp.add_argument("overrides", nargs="*", help="dotted.key=value")
+
+    report = sub.add_parser("report", help="timeline and per-step pictures plus one HTML page of a run")
+    report.add_argument("dir", help="the run's --out directory (metrics.jsonl, timeline.jsonl)")
+
+    from rolloutpipe.ops import STREAMS
+
+    url_help = "default: $RP_REDIS_URL or redis://127.0.0.1:6379/0"
+    tail = sub.add_parser("tail", help="print a run's stream entries as JSON lines (read-only)")
+    tail.add_argument("stream", metavar="STREAM", choices=STREAMS, help=f"one of {', '.join(STREAMS)}")
+    tail.add_argument("--run", required=True)
+    tail.add_argument("--redis-url", default="", help=url_help)
+    tail.add_argument("-n", type=int, default=20, help="the last N matching entries (default 20; 0: none)")
+    follow_help = "keep printing new entries until Ctrl-C (default: --no-follow)"
+    tail.add_argument("--follow", action=argparse.BooleanOptionalAction, default=False, help=follow_help)
+    tail.add_argument("--from-start", action="store_true", help="every entry from the first (ignores -n)")
+    tail.add_argument("--group", help="only entries of this group_id")
+    tail.add_argument("--policy-version", type=int, help="only entries of this policy version")
+    tail.add_argument("--kind", help="only events of this kind (request, sample, group, …; error)")
+    tail.add_argument("--pretty", action="store_true", help="one readable line per entry instead of JSON")
+
+    status = sub.add_parser("status", help="stream lengths, lag, pending, workers, version, frontier")
+    status.add_argument("--run", required=True)
+    status.add_argument("--redis-url", default="", help=url_help)
+    status.add_argument("--json", action="store_true", help="one JSON object per snapshot")
+    status.add_argument(
+        "--watch",
+        type=float,
+        nargs="?",
+        const=2.0,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 2)",
+    )
+    status.add_argument(
+        "--check", action="store_true", help="exit 0 ok, 1 no live worker or trainer stuck, 2 no Redis or run"
+    )
+    status.add_argument(
+        "--stuck-after",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="--check: the trainer is stuck when groups wait for it and no version came for this long",
+    )
     return p
 
 
@@ -82,6 +125,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     write_report(cfg, metrics, out)
     print(summary_table(metrics, every=max(1, len(metrics) // 12)))
     print(f"\nmetrics: {out / 'metrics.jsonl'}   report: {out / 'report.json'}, {out / 'report.png'}")
+    if metrics:
+        from rolloutpipe.report import write_html_report
+
+        print(f"page: {write_html_report(out)['html']}  (rolloutpipe report {out} redraws it)")
     return 0
 
 
@@ -134,6 +181,85 @@ def cmd_role(args: argparse.Namespace) -> int:
     return run_async(main)
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from rolloutpipe.report import write_html_report
+
+    written = write_html_report(Path(args.dir))
+    for path in written.values():
+        print(path)
+    return 0
+
+
+def cmd_tail(args: argparse.Namespace) -> int:
+    from rolloutpipe import ops
+
+    url = ops.redis_url(args.redis_url)
+    r = ops.connect(url)
+    where = ops.Filter(group=args.group, policy_version=args.policy_version, kind=args.kind)
+    try:
+        if not ops.stream_exists(r, args.run, args.stream):
+            print(f"rolloutpipe: note: run {args.run!r} has no {args.stream} stream (yet)", file=sys.stderr)
+        ops.tail(
+            r,
+            args.run,
+            args.stream,
+            sys.stdout,
+            n=args.n,
+            from_start=args.from_start,
+            follow=args.follow,
+            where=where,
+            pretty=args.pretty,
+        )
+    except ops.REDIS_DOWN as e:
+        print(f"rolloutpipe: error: cannot reach Redis at {url}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        pass
+    except BrokenPipeError:  # `| head`: the reader is gone; exit quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    finally:
+        r.close()
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from rolloutpipe import ops
+
+    url = ops.redis_url(args.redis_url)
+    r = ops.connect(url)
+    try:
+        while True:
+            try:
+                st = ops.collect_status(r, args.run)
+            except ops.REDIS_DOWN as e:
+                why = f"cannot reach Redis at {url}: {e}"
+                if args.check:
+                    print(f"unhealthy: {why}")
+                else:
+                    print(f"rolloutpipe: error: {why}", file=sys.stderr)
+                return 2
+            if args.check:
+                code, why = ops.health(st, args.stuck_after)
+                print(why)
+                return code
+            if args.json:
+                print(json.dumps(st), flush=True)
+            else:
+                if args.watch and sys.stdout.isatty():
+                    print("\x1b[2J\x1b[H", end="")  # clear the screen
+                print(ops.render_status(st) + ("\n" if args.watch else ""), flush=True)
+            if not args.watch:
+                return 0 if st["exists"] else 2
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        r.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, unknown = parser.parse_known_args(argv)
@@ -150,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_run(args)
         if args.cmd == "bench":
             return cmd_bench(args)
+        if args.cmd in ("tail", "status", "report"):
+            if args.overrides:
+                parser.error(f"unrecognized arguments: {' '.join(args.overrides)}")
+            return {"tail": cmd_tail, "status": cmd_status, "report": cmd_report}[args.cmd](args)
         return cmd_role(args)
     except RolloutPipeError as e:
         print(f"rolloutpipe: error: {e}", file=sys.stderr)

@@ -182,6 +182,13 @@ class TrainerConfig(_Section):
     emulated: EmulatedTrainerConfig = Field(default_factory=EmulatedTrainerConfig)
 
 
+class MetricsConfig(_Section):
+    """Prometheus ``/metrics`` of every role (``rolloutpipe/metrics.py``)."""
+
+    port: int = 0  # 0: off.  `rolloutpipe run` gives role i port + i; compose: the same in every container
+    host: str = "0.0.0.0"
+
+
 class RedisConfig(_Section):
     url: str = ""  # empty: ``rolloutpipe run`` starts a private redis-server
     maxlen: int = 100_000
@@ -200,6 +207,7 @@ class Config(BaseSettings):
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     redis: RedisConfig = Field(default_factory=RedisConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     @classmethod
     def settings_customise_sources(

@@ -69,6 +69,8 @@ class Cluster:
         ]
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         env = {k: v for k, v in env.items() if not (k.startswith("RP_") and k != "RP_REDIS_SERVER")}
+        if self.cfg.metrics.port > 0:  # one /metrics port a process: base port + spawn index
+            cmd.append(f"metrics.port={self.cfg.metrics.port + len(self.procs)}")
         if devices:
             env["CUDA_VISIBLE_DEVICES"] = devices
         p = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -43,6 +43,8 @@ def test_run_demo_config_writes_metrics(tmp_path: Path, model_cache: str) -> Non
         assert 0.0 <= r["trainer_wait_ratio"] <= 1.0 and 0.0 <= r["reward_mean"] <= 1.0
         assert 0.0 < r["first_group_s"] <= r["rollout_to_train_end_s"]
     assert (out / "report.json").exists() and (out / "report.png").stat().st_size > 1000
+    page = (out / "report.html").read_text()  # the demo records its timeline: both pictures embedded
+    assert page.count("data:image/png;base64,") == 2 and (out / "report-timeline.png").exists()
     assert "| step |" in p.stdout  # the summary table
 
 

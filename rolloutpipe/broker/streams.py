@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from rolloutpipe import metrics
 from rolloutpipe.broker.codec import DEFAULT_CODEC, MsgpackCodec
 from rolloutpipe.broker.events import DeadLetter, Event
 from rolloutpipe.errors import CodecError
@@ -204,6 +205,11 @@ class Broker:
             if counter != "dead_letters":
                 pipe.hincrby(self.keys.stats, f"{counter}:{step}", 1)
         await pipe.execute()
+        metrics.DEAD_LETTERS.labels(self.role).inc()
+        if counter == "fence_rejections":
+            metrics.FENCE_REJECTIONS.labels(self.role).inc()
+        if counter != "dead_letters":
+            metrics.BROKER_EVENTS.labels(self.role, counter).inc()
         log.warning("dead letter from %s %s: %s", dl.source_stream or "-", dl.entry_id or "-", reason)
 
     async def decode_or_dlq(
@@ -242,6 +248,7 @@ class Broker:
         if step is not None:
             pipe.hincrby(self.keys.stats, f"{name}:{step}", by)
         await pipe.execute()
+        metrics.BROKER_EVENTS.labels(self.role, name).inc(by)
 
     async def get_event(self, key: str, cls: type[E]) -> E | None:
         raw = await self.r.get(key)

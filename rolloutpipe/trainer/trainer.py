@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rolloutpipe import metrics
 from rolloutpipe.broker.events import Group, PolicyVersion, StepMetrics, StepPlan
 from rolloutpipe.broker.streams import DATA, Broker, Entry, connect
 from rolloutpipe.config import Config
@@ -178,6 +179,8 @@ class Trainer:
                 continue
             seen.add(g.group_id)
             consumed.append(g.group_id)
+            metrics.GROUPS.labels("trainer").inc()
+            metrics.GROUP_DISPATCH.observe(max(0.0, item.read_at - max(s.finished_at for s in g.samples)))
             entry_ids.append(item.entry.id)
             clock.observe(g, item.read_at)
             if self.record is not None:
@@ -250,7 +253,15 @@ class Trainer:
         with (self.out / "metrics.jsonl").open("a") as f:
             f.write(json.dumps(m.model_dump(mode="json", exclude={"kind", "schema_version"})) + "\n")
         await self.b.publish(self.k.control, m)
+        metrics.WAIT_RATIO.set(m.trainer_wait_ratio)
+        metrics.ROLLOUT_TO_TRAIN_END.set(m.rollout_to_train_end_s)
+        metrics.FIRST_GROUP.set(m.first_group_s)
+        metrics.REWARD_MEAN.set(m.reward_mean)
+        metrics.TRAIN_BUSY.inc(m.train_busy_s)
+        metrics.TOKENS.inc(m.tokens)
+        metrics.STEP.labels("trainer").set(step)
         await self.publish(step + 1)
+        metrics.POLICY_VERSION.labels("trainer").set(step + 1)
         pipe = self.b.r.pipeline(transaction=True)
         if consumed:
             pipe.sadd(self.k.consumed(step), *consumed)
@@ -304,6 +315,7 @@ async def run_trainer(cfg: Config, url: str, run: str, out: Path, stop: asyncio.
 
         if ds_backend.rank() > 0:  # only rank 0 talks to Redis; the others follow its calls
             return await ds_backend.run_follower(cfg, stop)
+    metrics.serve(cfg.metrics.port, cfg.metrics.host, "trainer")  # rank 0 only: one port
     r = connect(url)
     try:
         broker = Broker(r, run, "trainer", maxlen=cfg.redis.maxlen)

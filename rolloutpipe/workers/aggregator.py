@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from rolloutpipe import metrics
 from rolloutpipe.broker.events import FrontierStatus, Group, PolicyVersion, Sample, StepPlan
 from rolloutpipe.broker.streams import Broker, Entry, connect
 from rolloutpipe.config import Config
@@ -106,6 +107,7 @@ class Aggregator:
                 await self._duplicate(entry, ev, "sample already in group")
             return
         part.samples[ev.sample_index] = (ev, entry.id)
+        metrics.SAMPLES.labels("aggregator").inc()
         if len(part.samples) == ev.group_size:
             await self.emit(ev.step, ev.group_id, part)
 
@@ -148,6 +150,8 @@ class Aggregator:
         if int(new) == 1:
             self.emitted_count[step] = pos + 1
             self.groups_emitted += 1
+            metrics.GROUPS.labels("aggregator").inc()
+            metrics.STEP.labels("aggregator").set(step)
         else:
             await self.b.incr("duplicate_groups", step=step)
 
@@ -171,6 +175,7 @@ class Aggregator:
 
 
 async def run_aggregator(cfg: Config, url: str, run: str, stop: asyncio.Event) -> int:
+    metrics.serve(cfg.metrics.port, cfg.metrics.host, "aggregator")
     r = connect(url)
     try:
         broker = Broker(r, run, "aggregator", maxlen=cfg.redis.maxlen)

@@ -18,6 +18,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+from rolloutpipe import metrics
 from rolloutpipe.broker.events import PolicyVersion, RolloutRequest, StepMetrics, StepPlan
 from rolloutpipe.broker.streams import DATA, Broker, connect
 from rolloutpipe.config import Config
@@ -161,6 +162,8 @@ class Controller:
             pipe.xadd(self.k.requests, {DATA: self.b.encode(rq)}, maxlen=self.b.maxlen, approximate=True)
         pipe.incrby(self.k.released(step), len(reqs))
         await pipe.execute()
+        metrics.REQUESTS_RELEASED.inc(len(reqs))
+        metrics.STEP.labels("controller").set(step)
 
     async def use_window(self, step: int) -> bool:
         """Hold later groups back only when the trainer, not the rollout, sets the step's end.
@@ -263,6 +266,7 @@ class Controller:
 
 
 async def run_controller(cfg: Config, url: str, run: str, stop: asyncio.Event) -> int:
+    metrics.serve(cfg.metrics.port, cfg.metrics.host, "controller")
     r = connect(url)
     try:
         return await Controller(cfg, Broker(r, run, "controller", maxlen=cfg.redis.maxlen)).run(stop)

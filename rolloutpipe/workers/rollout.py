@@ -22,6 +22,7 @@ import socket
 import time
 from collections.abc import Callable
 
+from rolloutpipe import metrics
 from rolloutpipe.broker.events import PolicyVersion, RolloutRequest, Sample
 from rolloutpipe.broker.streams import DATA, Broker, Entry, connect
 from rolloutpipe.config import Config
@@ -93,6 +94,7 @@ class RolloutWorker:
                 continue
             if self.inflight:
                 await self.retire_old_version(pv.policy_version)
+            t0 = time.monotonic()
             try:
                 await self.engine.load_weights(pv)
             except WeightsVerificationError as e:
@@ -101,6 +103,8 @@ class RolloutWorker:
                 await asyncio.sleep(0.5)
                 continue
             self.version = pv.policy_version
+            metrics.WEIGHT_LOAD.observe(time.monotonic() - t0)
+            metrics.POLICY_VERSION.labels("rollout").set(self.version)
             log.info("worker %s now on policy version %d", self.id, self.version)
         return self.version >= want
 
@@ -170,6 +174,9 @@ class RolloutWorker:
             pipe.incr(self.k.finished(req.step))
             await pipe.execute()
             self.samples += 1
+            metrics.SAMPLES.labels("rollout").inc()
+            metrics.GENERATION.observe(sample.finished_at - admitted)
+            metrics.STEP.labels("rollout").set(req.step)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -180,6 +187,7 @@ class RolloutWorker:
         finally:
             self.inflight.pop(entry.id, None)
             self.inflight_reqs.pop(entry.id, None)
+            metrics.INFLIGHT.set(len(self.inflight))
 
     async def admit(self, entry: Entry, stop: asyncio.Event) -> None:
         ev = await self.b.decode_or_dlq(entry, GROUP, (RolloutRequest,))
@@ -202,6 +210,7 @@ class RolloutWorker:
             return
         self.inflight_reqs[entry.id] = (entry, ev)
         self.inflight[entry.id] = asyncio.create_task(self.handle(entry, ev))
+        metrics.INFLIGHT.set(len(self.inflight))
 
     async def run(self, stop: asyncio.Event) -> int:
         rc = self.cfg.rollout
@@ -253,6 +262,7 @@ def default_worker_id() -> str:
 
 
 async def run_rollout(cfg: Config, url: str, run: str, stop: asyncio.Event, worker_id: str = "") -> int:
+    metrics.serve(cfg.metrics.port, cfg.metrics.host, "rollout")
     r = connect(url)
     try:
         broker = Broker(r, run, "rollout", maxlen=cfg.redis.maxlen)
