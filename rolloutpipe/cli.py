@@ -91,6 +91,9 @@ def _parser() -> argparse.ArgumentParser:
         "--check", action="store_true", help="exit 0 ok, 1 no live worker or trainer stuck, 2 no Redis or run"
     )
     status.add_argument(
+        "--worker", metavar="ID", help="--check only this rollout worker's heartbeat (healthchecks)"
+    )
+    status.add_argument(
         "--stuck-after",
         type=float,
         default=600.0,
@@ -210,8 +213,8 @@ def cmd_tail(args: argparse.Namespace) -> int:
             where=where,
             pretty=args.pretty,
         )
-    except ops.REDIS_DOWN as e:
-        print(f"rolloutpipe: error: cannot reach Redis at {url}: {e}", file=sys.stderr)
+    except (*ops.REDIS_DOWN, ops.REDIS_REFUSED) as e:
+        print(f"rolloutpipe: error: {ops.redis_failure(url, e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         pass
@@ -234,13 +237,17 @@ def cmd_status(args: argparse.Namespace) -> int:
         while True:
             try:
                 st = ops.collect_status(r, args.run)
-            except ops.REDIS_DOWN as e:
-                why = f"cannot reach Redis at {url}: {e}"
+            except (*ops.REDIS_DOWN, ops.REDIS_REFUSED) as e:
+                why = ops.redis_failure(url, e)
                 if args.check:
                     print(f"unhealthy: {why}")
                 else:
                     print(f"rolloutpipe: error: {why}", file=sys.stderr)
                 return 2
+            if args.check and args.worker:
+                code, why = ops.worker_health(r, args.run, args.worker)
+                print(why)
+                return code
             if args.check:
                 code, why = ops.health(st, args.stuck_after)
                 print(why)

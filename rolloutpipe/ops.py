@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -49,11 +50,24 @@ ARRAY_HEAD = 8
 BYTES_HEAD = 32
 PAGE = 512
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)  # what "Redis is unreachable" raises
+REDIS_REFUSED = ResponseError  # a wrong password, a missing ACL permission
 
 
 def redis_url(explicit: str = "") -> str:
     """``--redis-url``, else ``RP_REDIS_URL``, else the local default."""
     return explicit or os.environ.get("RP_REDIS_URL") or DEFAULT_REDIS_URL
+
+
+def redact(url: str) -> str:
+    """``url`` without its password."""
+    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+
+
+def redis_failure(url: str, e: Exception) -> str:
+    """One line for an operator: unreachable, or refused (wrong password, missing ACL permission)."""
+    if isinstance(e, REDIS_DOWN):
+        return f"cannot reach Redis at {redact(url)}: {e}"
+    return f"Redis at {redact(url)} refused: {type(e).__name__}: {e}"
 
 
 def connect(url: str) -> redis.Redis:
@@ -510,6 +524,14 @@ def health(st: dict[str, Any], stuck_after_s: float = 600.0) -> tuple[int, str]:
     where = f", step {step['step']} {step.get('state', '')}".rstrip() if "step" in step else ""
     pv = v.get("policy_version", "?") if v else "none yet"
     return 0, f"ok: {len(live)} live rollout workers, policy version {pv}{where}"
+
+
+def worker_health(r: Any, run: str, worker: str) -> tuple[int, str]:
+    """``--check --worker ID``: 0 while that worker's heartbeat key lives, else 1."""
+    ttl = int(r.pttl(Keys(run).heartbeat(worker)))
+    if ttl == -2:  # no such key: never started, or its TTL ran out (dead or stuck)
+        return 1, f"unhealthy: no live heartbeat for worker {worker!r} of run {run!r}"
+    return 0, f"ok: worker {worker!r} heartbeat live"
 
 
 def trainer_backlog(st: dict[str, Any]) -> int:

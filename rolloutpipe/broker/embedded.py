@@ -51,8 +51,11 @@ def free_port() -> int:
 class EmbeddedRedis:
     """Start with ``start()`` (or as a context manager); ``url`` points at it; ``stop()`` ends it."""
 
-    def __init__(self, *, appendonly: bool = False, dir: str | None = None) -> None:
+    def __init__(
+        self, *, appendonly: bool = False, dir: str | None = None, extra_args: list[str] | None = None
+    ) -> None:
         self.appendonly = appendonly
+        self.extra_args = list(extra_args or [])  # more redis-server options, e.g. ["--aclfile", F]
         self._dir = dir
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.proc: subprocess.Popen[bytes] | None = None
@@ -91,6 +94,7 @@ class EmbeddedRedis:
                 "no",
                 "--logfile",
                 str(Path(workdir) / "redis.log"),
+                *self.extra_args,
             ]
             self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             deadline = time.monotonic() + timeout
@@ -135,10 +139,10 @@ class EmbeddedRedis:
 
 
 def ping(port: int) -> bool:
-    """Whether a Redis server answers PING on 127.0.0.1:port."""
+    """Whether a Redis server answers PING on 127.0.0.1:port (a NOAUTH refusal is an answer too)."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
             s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
+            return s.recv(16).startswith((b"+PONG", b"-NOAUTH"))
     except OSError:
         return False
