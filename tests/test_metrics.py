@@ -95,8 +95,24 @@ def test_every_role_serves_its_metrics(tmp_path: Path, redis_url: str, run_name:
         for series in EXPECTED[role]:
             assert series in scraped[i], f"{role} does not serve {series}"
         assert "process_resident_memory_bytes" in scraped[i]
+    assert "rolloutpipe_trainer_wait_ratio" not in scraped[4], "each role serves only its own metrics"
+    assert "rolloutpipe_requests_released" not in scraped[2]
     # values move: every sample the workers published, the aggregator consumed
     published = sum(_value(scraped[i], 'rolloutpipe_samples_total{role="rollout"}') for i in (2, 3))
     assert published > 0
     assert _value(scraped[0], 'rolloutpipe_groups_total{role="trainer"}') > 0
     assert 0.0 <= _value(scraped[0], "rolloutpipe_trainer_wait_ratio") <= 1.0
+
+
+def test_a_taken_metrics_port_is_a_clear_config_error() -> None:
+    import pytest
+
+    from rolloutpipe import metrics
+    from rolloutpipe.errors import ConfigError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"metrics.port {port}"):
+            metrics.serve(port, "127.0.0.1", "controller")
