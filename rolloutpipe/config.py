@@ -177,6 +177,9 @@ class TrainerConfig(_Section):
     seed: int = 0
     record_groups: bool = False  # write every consumed group to OUT/groups.msgpack (replay, audits)
     keep_versions: int = 3  # published weight versions kept on disk (0 keeps all)
+    # Experiment logging with slime/verl names (perf/*, rollout/*); each needs its package.
+    log_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
+    wandb_project: str = "rolloutpipe"
     record_timeline: bool = False  # write OUT/timeline.jsonl: per-sample and trainer busy intervals
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
     emulated: EmulatedTrainerConfig = Field(default_factory=EmulatedTrainerConfig)

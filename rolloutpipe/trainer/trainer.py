@@ -28,6 +28,7 @@ from rolloutpipe.config import Config
 from rolloutpipe.errors import StaleVersionError
 from rolloutpipe.trainer.backends import Backend, make_backend
 from rolloutpipe.trainer.fence import VersionFence
+from rolloutpipe.trainer.loggers import StepLogger
 
 log = logging.getLogger("rolloutpipe.trainer")
 GROUP = "trainer"
@@ -91,6 +92,7 @@ class Trainer:
         self.weights_root = out / "weights"
         self.queue: asyncio.Queue[_Read] = asyncio.Queue(maxsize=max(4, 2 * cfg.controller.prompts_per_step))
         self.record = (out / "groups.msgpack").open("ab") if cfg.trainer.record_groups else None
+        self.logger = StepLogger(cfg, out) if cfg.trainer.log_to else None
 
     async def _reader(self, stop: asyncio.Event) -> None:
         """Read groups promptly (stamping read time) even while the backend computes."""
@@ -253,6 +255,8 @@ class Trainer:
         with (self.out / "metrics.jsonl").open("a") as f:
             f.write(json.dumps(m.model_dump(mode="json", exclude={"kind", "schema_version"})) + "\n")
         await self.b.publish(self.k.control, m)
+        if self.logger is not None:
+            self.logger.log(m)
         metrics.WAIT_RATIO.set(m.trainer_wait_ratio)
         metrics.ROLLOUT_TO_TRAIN_END.set(m.rollout_to_train_end_s)
         metrics.FIRST_GROUP.set(m.first_group_s)
@@ -298,6 +302,8 @@ class Trainer:
                 await reader
             if self.record is not None:
                 self.record.close()
+            if self.logger is not None:
+                self.logger.close()
         return 0
 
 
