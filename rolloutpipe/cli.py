@@ -1,4 +1,4 @@
-"""Command line: ``rolloutpipe run|bench|controller|rollout|aggregator|trainer|tail|status|report``.
+"""Command line: ``rolloutpipe run|bench|controller|rollout|aggregator|trainer|tail|status|report|dlq``.
 
 Config is loaded (YAML, ``RP_…`` env, ``dotted.key=value`` overrides) before any event loop starts.
 """
@@ -100,6 +100,30 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="--check: the trainer is stuck when groups wait for it and no version came for this long",
     )
+
+    dlq = sub.add_parser("dlq", help="list, show and replay a run's dead letters")
+    dsub = dlq.add_subparsers(dest="dlq_cmd", required=True)
+    dlist = dsub.add_parser("list", help="one line per dead letter, then counts by reason and source")
+    dshow = dsub.add_parser("show", help="everything about one dead letter, its payload decoded")
+    dshow.add_argument("id", metavar="ID", help="the dead letter's entry id in dlq (from dlq list)")
+    dreplay = dsub.add_parser("replay", help="put dead letters' payloads back on their source streams")
+    dreplay.add_argument("ids", metavar="ID", nargs="*", help="dead letter entry ids (or --all)")
+    dreplay.add_argument("--all", action="store_true", help="every matching dead letter, oldest first")
+    dreplay.add_argument("--dry-run", action="store_true", help="say what would be replayed; change nothing")
+    dreplay.add_argument("--yes", action="store_true", help="--all: do not ask for confirmation")
+    dreplay.add_argument(
+        "--force",
+        action="store_true",
+        help="replay even what would be dead-lettered again (undecodable, stale) or was replayed",
+    )
+    for dp in (dlist, dshow, dreplay):
+        dp.add_argument("--run", required=True)
+        dp.add_argument("--redis-url", default="", help=url_help)
+    for dp in (dlist, dreplay):
+        dp.add_argument("--reason", help="only dead letters whose reason contains this (any case)")
+        dp.add_argument("--source", help="only dead letters from this stream (samples, or its full key)")
+    dlist.add_argument("-n", type=int, default=50, help="the last N matching dead letters (default 50)")
+    dlist.add_argument("--json", action="store_true", help="one JSON object: dead letters and counts")
     return p
 
 
@@ -267,6 +291,64 @@ def cmd_status(args: argparse.Namespace) -> int:
         r.close()
 
 
+def cmd_dlq(args: argparse.Namespace) -> int:
+    """``dlq list|show|replay``: 0 done, 1 some dead letter refused to replay, 2 bad input or no Redis."""
+    import json
+
+    from rolloutpipe import dlq, ops
+
+    url = ops.redis_url(args.redis_url)
+    r = ops.connect(url)
+    try:
+        if args.dlq_cmd == "show":
+            print(dlq.render_detail(dlq.detail(dlq.get(r, args.run, args.id))))
+            return 0
+        where = dlq.Where(reason=args.reason, source=args.source)
+        if args.dlq_cmd == "list":
+            lst = dlq.listing(r, args.run, args.n, where)
+            print(json.dumps(dlq.listing_json(lst)) if args.json else dlq.render_listing(lst, args.run))
+            return 0
+        if bool(args.ids) == args.all:
+            print("rolloutpipe: error: dlq replay takes dead letter IDs or --all (not both)", file=sys.stderr)
+            return 2
+        if args.ids:
+            records = [dlq.get(r, args.run, i) for i in dict.fromkeys(args.ids)]
+        else:
+            records = [rec for rec in dlq.scan(r, args.run) if where(rec)]
+            if not records:
+                print(f"no matching dead letters in run {args.run!r}")
+                return 0
+            if not (args.yes or args.dry_run):
+                question = f"replay {len(records)} dead letters of run {args.run!r}? [y/N] "
+                if not sys.stdin.isatty():
+                    print(
+                        f"rolloutpipe: error: --all would replay {len(records)} dead letters; "
+                        "pass --yes (or --dry-run to see them)",
+                        file=sys.stderr,
+                    )
+                    return 2
+                if input(question).strip().lower() not in ("y", "yes"):
+                    return 1
+        done = dlq.replay(r, args.run, records, force=args.force, dry_run=args.dry_run)
+        for rp in done:
+            print(dlq.describe(rp))
+        refused = sum(1 for rp in done if rp.refused)
+        verb = "would replay" if args.dry_run else "replayed"
+        hint = " (--force would replay some)" if any(rp.forceable for rp in done if rp.refused) else ""
+        print(f"{verb} {len(done) - refused}, refused {refused}{hint}")
+        return 1 if refused else 0
+    except (*ops.REDIS_DOWN, ops.REDIS_REFUSED) as e:
+        print(f"rolloutpipe: error: {ops.redis_failure(url, e)}", file=sys.stderr)
+        return 2
+    except (KeyboardInterrupt, EOFError):
+        return 130
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    finally:
+        r.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, unknown = parser.parse_known_args(argv)
@@ -283,10 +365,11 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_run(args)
         if args.cmd == "bench":
             return cmd_bench(args)
-        if args.cmd in ("tail", "status", "report"):
+        if args.cmd in ("tail", "status", "report", "dlq"):
             if args.overrides:
                 parser.error(f"unrecognized arguments: {' '.join(args.overrides)}")
-            return {"tail": cmd_tail, "status": cmd_status, "report": cmd_report}[args.cmd](args)
+            ops_cmds = {"tail": cmd_tail, "status": cmd_status, "report": cmd_report, "dlq": cmd_dlq}
+            return ops_cmds[args.cmd](args)
         return cmd_role(args)
     except RolloutPipeError as e:
         print(f"rolloutpipe: error: {e}", file=sys.stderr)

@@ -135,6 +135,9 @@ class ControllerConfig(_Section):
     # training): with the first group ~1/4 into the rollout, starting training earlier pays off
     # from a ratio of ~0.75, and the paper suite's measured gains start at 0.78.
     fgd_window_min_train_ratio: float = 0.75
+    # Backpressure, a safety valve: no request is released while more than this many groups sit in
+    # ``groups`` unacknowledged by the trainer (0 = off; else >= prompts_per_step, docs/operations.md).
+    max_trainer_lag_groups: int = 0
     seed: int = 0
 
     @model_validator(mode="after")
@@ -146,6 +149,13 @@ class ControllerConfig(_Section):
             )
         if self.group_size < 1 or self.prompts_per_step < 1 or self.steps < 0:
             raise ValueError("group_size and prompts_per_step must be >= 1, steps >= 0")
+        if 0 < self.max_trainer_lag_groups < self.prompts_per_step or self.max_trainer_lag_groups < 0:
+            # the trainer acknowledges a step's groups only after publishing its weights, so one
+            # step's groups are always unacknowledged together: a smaller valve would never open
+            raise ValueError(
+                f"max_trainer_lag_groups ({self.max_trainer_lag_groups}) must be 0 (off) or "
+                f">= prompts_per_step ({self.prompts_per_step})"
+            )
         return self
 
 
@@ -177,6 +187,7 @@ class TrainerConfig(_Section):
     seed: int = 0
     record_groups: bool = False  # write every consumed group to OUT/groups.msgpack (replay, audits)
     keep_versions: int = 3  # published weight versions kept on disk (0 keeps all)
+    keep_checkpoints: int = 2  # trainer checkpoints (OUT/checkpoints/RUN) kept for resume (0 keeps all)
     # Experiment logging with slime/verl names (perf/*, rollout/*); each needs its package.
     log_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
     wandb_project: str = "rolloutpipe"
@@ -193,9 +204,22 @@ class MetricsConfig(_Section):
 
 
 class RedisConfig(_Section):
+    """The broker.  ``url`` may be ``rediss://`` (TLS), e.g. ``rediss://h:6380/0?ssl_ca_certs=ca.crt``."""
+
     url: str = ""  # empty: ``rolloutpipe run`` starts a private redis-server
     maxlen: int = 100_000
     block_ms: int = 50
+    # The embedded server's AOF, in OUT/redis (docs/operations.md: worst-case loss of each fsync policy).
+    appendonly: bool = True
+    appendfsync: Literal["always", "everysec", "no"] = "everysec"
+    # Trimming (rolloutpipe/broker/trim.py, run by the controller about once a second): requests,
+    # samples and groups below the oldest entry their consumer group still needs; per-step keys
+    # (plan, emitted, released, finished, consumed) of all but the last ``keep_steps`` steps (0 keeps
+    # all); control to its last ``control_maxlen`` entries (0: only ``maxlen``; metrics.jsonl keeps
+    # the whole history).
+    trim: bool = True
+    keep_steps: int = Field(default=8, ge=0)
+    control_maxlen: int = Field(default=128, ge=0)  # 3 entries a step: the last ~40 steps' events
 
 
 class Config(BaseSettings):

@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -13,12 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-import redis
-
 from rolloutpipe.broker.codec import DEFAULT_CODEC
-from rolloutpipe.broker.embedded import EmbeddedRedis
+from rolloutpipe.broker.embedded import EmbeddedRedis, Supervisor
 from rolloutpipe.broker.events import StepMetrics
-from rolloutpipe.broker.streams import Keys
+from rolloutpipe.broker.streams import Keys, connect_sync
 from rolloutpipe.config import Config, TrainerConfig
 from rolloutpipe.errors import CodecError
 
@@ -134,7 +133,7 @@ def run_cluster(
     """Start every role, follow the trainer's step metrics on ``control``, stop everything."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.jsonl").unlink(missing_ok=True)
-    r = redis.Redis.from_url(url)
+    r = connect_sync(url)  # retries through a Redis restart, as the roles' clients do
     keys = Keys(cfg.run)
     cluster = Cluster(cfg, url, out)
     metrics: list[StepMetrics] = []
@@ -280,8 +279,19 @@ def _median(xs: list[float]) -> float | None:
 
 
 def run_embedded(cfg: Config, out: Path, url: str = "", progress: bool = True) -> list[StepMetrics]:
-    """Use ``url`` or start a private redis-server for the duration of the run."""
+    """Use ``url`` or start a private redis-server for the duration of the run.
+
+    With ``redis.appendonly`` (the default) the private server keeps an AOF in ``OUT/redis``
+    (``redis.appendfsync``), started empty, and is restarted from it if it dies during the run.
+    """
     if url:
         return run_cluster(cfg, url, out, progress=progress)
-    with EmbeddedRedis() as er:
+    rc = cfg.redis
+    data = out / "redis"
+    if rc.appendonly:
+        shutil.rmtree(data, ignore_errors=True)  # a new run: never replay an older run's AOF
+    er = EmbeddedRedis(
+        appendonly=rc.appendonly, appendfsync=rc.appendfsync, dir=str(data) if rc.appendonly else None
+    )
+    with er, Supervisor(er) if rc.appendonly else contextlib.nullcontext():
         return run_cluster(cfg, er.url, out, progress=progress)

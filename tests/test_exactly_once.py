@@ -28,7 +28,8 @@ from tests.conftest import EMULATED_FAST, make_config
 
 # Slower emulated decoding than EMULATED_FAST so one step lasts ~1-2 s: long enough to kill a
 # role while the step is really in flight.
-STEP_OVERRIDES = (*EMULATED_FAST, "controller.steps=4", "rollout.emulated.time_scale=0.1")
+# The checks read whole streams after the run, so trimming (a controller job) is off here.
+STEP_OVERRIDES = (*EMULATED_FAST, "controller.steps=4", "rollout.emulated.time_scale=0.1", "redis.trim=false")
 
 
 # ----------------------------------------------------------------------------------------------- helpers

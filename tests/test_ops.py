@@ -64,7 +64,7 @@ def live(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[L
     run = f"ops{uuid.uuid4().hex[:8]}"
     cfg = make_config(tmp_path_factory.mktemp("ops"), run, *EMULATED_FAST, "controller.steps=10000",
                       "rollout.heartbeat_s=1.0", "rollout.claim_idle_s=10",
-                      "rollout.emulated.time_scale=0.03")  # fmt: skip
+                      "rollout.emulated.time_scale=0.03", "redis.trim=false")  # fmt: skip
     keys = Keys(run)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

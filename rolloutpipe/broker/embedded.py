@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import TracebackType
@@ -52,9 +53,22 @@ class EmbeddedRedis:
     """Start with ``start()`` (or as a context manager); ``url`` points at it; ``stop()`` ends it."""
 
     def __init__(
-        self, *, appendonly: bool = False, dir: str | None = None, extra_args: list[str] | None = None
+        self,
+        *,
+        appendonly: bool = False,
+        appendfsync: str = "everysec",
+        dir: str | None = None,
+        port: int = 0,
+        extra_args: list[str] | None = None,
     ) -> None:
+        """``dir`` holds the AOF (kept after ``stop()``); ``port`` 0 picks a free one.
+
+        A server started again with the same ``dir`` (and ``port``) replays the AOF: streams,
+        consumer groups, pending entries and keys come back (``tests/test_durability.py``).
+        """
         self.appendonly = appendonly
+        self.appendfsync = appendfsync
+        self.fixed_port = port
         self.extra_args = list(extra_args or [])  # more redis-server options, e.g. ["--aclfile", F]
         self._dir = dir
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -74,8 +88,8 @@ class EmbeddedRedis:
             workdir = self._dir
             Path(workdir).mkdir(parents=True, exist_ok=True)
         last_err = ""
-        for _ in range(5):  # a free port can be taken between probe and bind; retry
-            self.port = free_port()
+        for _ in range(1 if self.fixed_port else 5):  # a free port can be taken between probe and bind
+            self.port = self.fixed_port or free_port()
             args = [
                 binary,
                 "--port",
@@ -88,6 +102,8 @@ class EmbeddedRedis:
                 "",
                 "--appendonly",
                 "yes" if self.appendonly else "no",
+                "--appendfsync",
+                self.appendfsync,
                 "--protected-mode",
                 "yes",
                 "--daemonize",
@@ -122,6 +138,17 @@ class EmbeddedRedis:
         if self.proc.stderr is not None:
             self.proc.stderr.close()
 
+    def restart(self, timeout: float = 30.0) -> EmbeddedRedis:
+        """Start the server again on the same port and directory (after a crash or ``kill()``)."""
+        self._kill()
+        self.fixed_port = self.port
+        if self._tmp is not None:
+            self._dir = self._tmp.name
+        return self.start(timeout)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
     def stop(self) -> None:
         self._kill()
         self.proc = None
@@ -138,8 +165,49 @@ class EmbeddedRedis:
         self.stop()
 
 
+class Supervisor:
+    """Restarts an embedded server that died, on the same port and AOF directory.
+
+    The roles' clients retry through the restart (``streams.connect``) and carry on where the
+    replayed AOF leaves them; see docs/operations.md for what a crash can lose.
+    """
+
+    def __init__(self, er: EmbeddedRedis, poll_s: float = 0.2) -> None:
+        self.er = er
+        self.poll_s = poll_s
+        self.restarts = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="redis-supervisor", daemon=True)
+
+    def __enter__(self) -> Supervisor:
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            if self.er.proc is None or self.er.alive():
+                continue
+            code = self.er.proc.returncode
+            log.error("embedded redis-server exited with code %s; restarting it from its AOF", code)
+            try:
+                self.er.restart()
+                self.restarts += 1
+            except EmbeddedRedisError as e:
+                log.error("could not restart redis-server: %s", e)
+                return
+
+
 def ping(port: int) -> bool:
-    """Whether a Redis server answers PING on 127.0.0.1:port (a NOAUTH refusal is an answer too)."""
+    """Whether a Redis server answers PING on 127.0.0.1:port (a NOAUTH refusal is an answer too).
+
+    A server still replaying its AOF answers ``-LOADING``: not up yet.
+    """
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
             s.sendall(b"PING\r\n")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, model_validator
 
 SCHEMA_VERSION = 1
 
@@ -90,11 +90,18 @@ class Sample(Event):
     prompt_ids: Int32Array
     response_ids: Int32Array
     logprobs: Float32Array
-    reward: float
+    # finite and bounded: a NaN or huge reward would turn the group's advantages into NaN
+    reward: float = Field(allow_inf_nan=False, ge=-1e6, le=1e6)
     finish_reason: str = "stop"
     released_at: float = 0.0  # when the controller released the request (admission latency)
     admitted_at: float
     finished_at: float
+
+    @model_validator(mode="after")
+    def _one_logprob_per_token(self) -> Sample:
+        if len(self.logprobs) != len(self.response_ids):
+            raise ValueError(f"{len(self.logprobs)} logprobs for {len(self.response_ids)} response tokens")
+        return self
 
 
 class FrontierStatus(BaseModel):
@@ -119,6 +126,16 @@ class Group(Event):
     advantages: Float32Array
     frontier: FrontierStatus
     completed_at: float
+
+    @model_validator(mode="after")
+    def _complete(self) -> Group:
+        if not self.samples:
+            raise ValueError("a group has at least one sample")
+        if len(self.advantages) != len(self.samples):
+            raise ValueError(f"{len(self.advantages)} advantages for {len(self.samples)} samples")
+        if not np.isfinite(self.advantages).all():
+            raise ValueError("advantages must be finite")
+        return self
 
 
 class StepPlan(Event):

@@ -16,8 +16,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry as SyncRetry
 
 from rolloutpipe import metrics
 from rolloutpipe.broker.codec import DEFAULT_CODEC, MsgpackCodec
@@ -81,13 +87,43 @@ class Entry:
         return self.fields.get(DATA, b"")
 
 
-def connect(url: str, max_connections: int = 32) -> aioredis.Redis:
-    """A client whose pool waits for a free connection instead of failing under bursts."""
+def connect(url: str, max_connections: int = 32, *, retry_s: float = 30.0) -> aioredis.Redis:
+    """A client whose pool waits for a free connection instead of failing under bursts.
+
+    ``url`` may be ``redis://`` or ``rediss://`` (TLS; redis-py reads ``ssl_ca_certs``,
+    ``ssl_cert_reqs``, ``ssl_certfile``, ``ssl_keyfile`` … from the query string).  A command that
+    fails with ``ConnectionError``/``TimeoutError`` (a Redis restart, ``LOADING`` while the AOF is
+    replayed) is retried on a fresh connection with exponential backoff (50 ms doubling, at most
+    1 s apart) for about ``retry_s`` seconds before the error reaches the role.
+    """
     pool = aioredis.BlockingConnectionPool.from_url(
-        url, max_connections=max_connections, timeout=None, health_check_interval=30
+        url,
+        max_connections=max_connections,
+        timeout=None,
+        health_check_interval=30,
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=retries_for(retry_s)),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
     )
     # from_pool: the client owns its pool, so ``aclose()`` also closes the pool's connections
     return aioredis.Redis.from_pool(pool)  # the pool's decode_responses defaults to False
+
+
+def connect_sync(url: str, *, retry_s: float = 30.0) -> redis.Redis:
+    """A blocking client with the same retries as :func:`connect` (``rolloutpipe run``'s follower)."""
+    return redis.Redis.from_url(
+        url,
+        retry=SyncRetry(ExponentialBackoff(cap=1.0, base=0.05), retries=retries_for(retry_s)),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+    )
+
+
+def retries_for(seconds: float, *, base: float = 0.05, cap: float = 1.0) -> int:
+    """How many exponential-backoff retries (``base`` doubling up to ``cap``) span ``seconds``."""
+    n, waited = 0, 0.0
+    while waited < seconds:
+        waited += min(cap, base * 2**n)
+        n += 1
+    return n
 
 
 class Broker:

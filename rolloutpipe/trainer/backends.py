@@ -2,7 +2,9 @@
 DeepSpeed ZeRO data parallel (``ds_backend``).
 
 All implement the same calls: ``begin_step`` (freeze version k), ``accumulate(group)``
-(forward + backward of one group) and ``optimizer_step`` (at a mini-batch boundary).
+(forward + backward of one group) and ``optimizer_step`` (at a mini-batch boundary).  The torch
+and emulated backends also implement ``checkpoint.Checkpointable`` (state saved at every step
+commit, loaded on resume).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from rolloutpipe.broker.events import Group, PolicyVersion
 from rolloutpipe.config import Config
+from rolloutpipe.trainer.checkpoint import optimizer_from_safetensors, optimizer_to_safetensors
 from rolloutpipe.trainer.grpo import aggregate_sum, clipped_token_loss
 from rolloutpipe.trainer.weights import publish_weights
 
@@ -115,6 +118,18 @@ class TorchBackend:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
+    def checkpoint_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+        """Model weights and AdamW state (tensors to safetensors, scalars to JSON; no pickle)."""
+        opt_tensors, opt_meta = optimizer_to_safetensors(self.opt)
+        return {"model": self.state_dict(), "optimizer": opt_tensors}, {"optimizer": opt_meta}
+
+    def load_checkpoint_state(
+        self, tensors: dict[str, dict[str, torch.Tensor]], meta: dict[str, Any]
+    ) -> None:
+        self.model.load_state_dict(tensors["model"])
+        optimizer_from_safetensors(self.opt, tensors["optimizer"], meta["optimizer"])
+        self.opt.zero_grad(set_to_none=True)
+
     def publish(self, root: Path, run: str, version: int) -> PolicyVersion:
         return publish_weights(
             self.model.state_dict(), root, run, version, keep=self.cfg.trainer.keep_versions
@@ -139,6 +154,14 @@ class EmulatedBackend:
 
     def optimizer_step(self) -> dict[str, float]:
         return {"loss": 0.0, "grad_norm": 0.0, "clipfrac": 0.0}
+
+    def checkpoint_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+        return {}, {}  # nothing beyond the step, which the checkpoint records itself
+
+    def load_checkpoint_state(
+        self, tensors: dict[str, dict[str, torch.Tensor]], meta: dict[str, Any]
+    ) -> None:
+        pass
 
     def publish(self, root: Path, run: str, version: int) -> PolicyVersion:
         return PolicyVersion(

@@ -5,7 +5,9 @@ mini-batch boundary; mini-batch j is the j-th run of ``groups_per_minibatch`` gr
 order.  ``sync``: the same computation, started only once the whole rollout batch has arrived.
 
 The fence is enforced here, where groups are consumed.  Group entries are acknowledged only after
-the step's weights are published (the effect is durable).  Every time below is observed: sample
+the step's weights are published (the effect is durable).  A step commits through a checkpoint
+(``checkpoint.py`` gives the order and why a SIGKILL at any point neither loses nor repeats a
+group); a restarted trainer resumes from its newest checkpoint.  Every time below is observed: sample
 admission and completion stamped by workers, group reads and compute stamped here.
 """
 
@@ -15,9 +17,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,9 +30,13 @@ from rolloutpipe.broker.events import Group, PolicyVersion, StepMetrics, StepPla
 from rolloutpipe.broker.streams import DATA, Broker, Entry, connect
 from rolloutpipe.config import Config
 from rolloutpipe.errors import StaleVersionError
+from rolloutpipe.trainer import checkpoint
 from rolloutpipe.trainer.backends import Backend, make_backend
 from rolloutpipe.trainer.fence import VersionFence
 from rolloutpipe.trainer.loggers import StepLogger
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("rolloutpipe.trainer")
 GROUP = "trainer"
@@ -91,7 +99,12 @@ class Trainer:
         self.out = out
         self.weights_root = out / "weights"
         self.queue: asyncio.Queue[_Read] = asyncio.Queue(maxsize=max(4, 2 * cfg.controller.prompts_per_step))
-        self.record = (out / "groups.msgpack").open("ab") if cfg.trainer.record_groups else None
+        self.ckpt_root = out / "checkpoints" / broker.run
+        self.logs = [out / "metrics.jsonl"]  # appended at each commit; truncated back on resume
+        if cfg.trainer.record_groups:
+            self.logs.append(out / "groups.msgpack")
+        if cfg.trainer.record_timeline:
+            self.logs.append(out / "timeline.jsonl")
         self.logger = StepLogger(cfg, out) if cfg.trainer.log_to else None
 
     async def _reader(self, stop: asyncio.Event) -> None:
@@ -111,10 +124,17 @@ class Trainer:
                 assert isinstance(ev, Group)
                 await self.queue.put(_Read(e, ev, now))
 
-    async def publish(self, version: int) -> PolicyVersion:
+    async def publish(self, version: int, m: StepMetrics | None = None) -> PolicyVersion:
+        """Weights of ``version``, then one MULTI: the previous step's metrics, the version key and event.
+
+        Metrics go out before the new version, so the controller can read the step's timings
+        before it plans the next one (the FGD window uses them).
+        """
         pv = await asyncio.to_thread(self.backend.publish, self.weights_root, self.b.run, version)
         raw = self.b.encode(pv)
         pipe = self.b.r.pipeline(transaction=True)
+        if m is not None:
+            pipe.xadd(self.k.control, {DATA: self.b.encode(m)}, maxlen=self.b.maxlen, approximate=True)
         pipe.set(self.k.version, raw)
         pipe.xadd(self.k.control, {DATA: raw}, maxlen=self.b.maxlen, approximate=True)
         await pipe.execute()
@@ -150,6 +170,7 @@ class Trainer:
         gpm = plan.groups_per_minibatch
         clock = StepClock()
         consumed: list[str] = []
+        trained: list[bytes] = []  # encoded groups for OUT/groups.msgpack, written at the commit
         entry_ids: list[str] = []
         pending: list[Group] = []
         minibatches: list[list[str]] = []
@@ -185,8 +206,8 @@ class Trainer:
             metrics.GROUP_DISPATCH.observe(max(0.0, item.read_at - max(s.finished_at for s in g.samples)))
             entry_ids.append(item.entry.id)
             clock.observe(g, item.read_at)
-            if self.record is not None:
-                self.record.write(self.b.encode(g))
+            if self.cfg.trainer.record_groups:
+                trained.append(self.b.encode(g))
             pending.append(g)
             if plan.mode != "sync":  # CGP: train each group as it arrives, step at the boundary
                 tg = time.time()
@@ -210,19 +231,14 @@ class Trainer:
                 minibatches.append([x.group_id for x in mb])
             pending = []
         train_end = time.time()
-        if self.record is not None:
-            self.record.flush()
-        if self.cfg.trainer.record_timeline:
-            rec = {
-                "step": step,
-                "mode": plan.mode,
-                "step_start": clock.step_start,
-                "train_end": train_end,
-                "busy": clock.busy_intervals,
-                "groups": clock.groups,
-            }
-            with (self.out / "timeline.jsonl").open("a") as f:
-                f.write(json.dumps(rec) + "\n")
+        timeline: dict[str, Any] = {
+            "step": step,
+            "mode": plan.mode,
+            "step_start": clock.step_start,
+            "train_end": train_end,
+            "busy": clock.busy_intervals,
+            "groups": clock.groups,
+        }
         window = max(train_end - clock.step_start, 1e-9)
         lat = np.asarray(clock.latencies or [0.0])
         m = StepMetrics(
@@ -250,11 +266,7 @@ class Trainer:
             step_start=clock.step_start,
             train_end=train_end,
         )
-        # Metrics go out (file, then control) before the new version, so the controller can read
-        # this step's timings before it plans the next one (the FGD window uses them).
-        with (self.out / "metrics.jsonl").open("a") as f:
-            f.write(json.dumps(m.model_dump(mode="json", exclude={"kind", "schema_version"})) + "\n")
-        await self.b.publish(self.k.control, m)
+        await self.commit(step, m, consumed, entry_ids, trained, timeline)
         if self.logger is not None:
             self.logger.log(m)
         metrics.WAIT_RATIO.set(m.trainer_wait_ratio)
@@ -264,22 +276,110 @@ class Trainer:
         metrics.TRAIN_BUSY.inc(m.train_busy_s)
         metrics.TOKENS.inc(m.tokens)
         metrics.STEP.labels("trainer").set(step)
-        await self.publish(step + 1)
         metrics.POLICY_VERSION.labels("trainer").set(step + 1)
+        return m
+
+    # ------------------------------------------------------------------------------ commit / resume
+
+    async def commit(
+        self,
+        step: int,
+        m: StepMetrics,
+        consumed: list[str],
+        entry_ids: list[str],
+        trained: list[bytes],
+        timeline: dict[str, Any],
+    ) -> None:
+        """Logs, checkpoint k+1 (the commit point), version k+1 + metrics, then ``consumed:k`` + acks."""
+        row = json.dumps(m.model_dump(mode="json", exclude={"kind", "schema_version"})) + "\n"
+        appends: dict[Path, bytes] = {self.out / "metrics.jsonl": row.encode()}
+        if self.cfg.trainer.record_groups:
+            appends[self.out / "groups.msgpack"] = b"".join(trained)
+        if self.cfg.trainer.record_timeline:
+            appends[self.out / "timeline.jsonl"] = (json.dumps(timeline) + "\n").encode()
+        offsets = await asyncio.to_thread(_append_all, appends, self.logs)
+        record = {
+            "commit": {"step": step, "groups": consumed, "entries": entry_ids},
+            "metrics": m.model_dump(mode="json"),
+            "logs": offsets,
+        }
+        await asyncio.to_thread(self.save_checkpoint, step + 1, record)
+        await self.finish_commit(step, m, consumed, entry_ids)
+
+    def save_checkpoint(self, step: int, record: dict[str, Any], initial: bool = False) -> None:
+        tensors: dict[str, dict[str, torch.Tensor]] | None = None
+        meta: dict[str, Any] = {}
+        if not initial and isinstance(self.backend, checkpoint.Checkpointable):
+            tensors, meta = self.backend.checkpoint_state()
+        checkpoint.save(
+            self.ckpt_root,
+            step,
+            {**record, "backend": meta, "initial": initial},
+            tensors,
+            keep=self.cfg.trainer.keep_checkpoints,
+        )
+
+    async def finish_commit(
+        self, step: int, m: StepMetrics | None, consumed: list[str], entry_ids: list[str]
+    ) -> None:
+        """Steps 3-4 of a commit; idempotent, so a resumed trainer can redo them."""
+        version = await self.b.get_event(self.k.version, PolicyVersion)
+        if version is None or version.policy_version <= step:
+            await self.publish(step + 1, m)
         pipe = self.b.r.pipeline(transaction=True)
         if consumed:
             pipe.sadd(self.k.consumed(step), *consumed)
-        pipe.xack(self.k.groups, GROUP, *entry_ids)
+        if entry_ids:
+            pipe.xack(self.k.groups, GROUP, *entry_ids)
         await pipe.execute()
-        return m
+
+    async def resume(self) -> int:
+        """Reconcile the newest checkpoint with the published version; returns the step to train."""
+        pv = await self.b.get_event(self.k.version, PolicyVersion)
+        ck = await asyncio.to_thread(checkpoint.latest, self.ckpt_root)
+        if pv is None:  # a fresh run (stale checkpoints of an earlier run in this OUT are dropped)
+            if ck is not None and ck.step > 0:
+                log.warning("no published version in Redis: starting afresh, dropping %s", ck.path)
+                ck = None
+            if ck is None:
+                await asyncio.to_thread(checkpoint.clear, self.ckpt_root)
+                await asyncio.to_thread(self.save_checkpoint, 0, {"logs": _sizes(self.logs)}, True)
+            await self.publish(0)
+            return 0
+        v = pv.policy_version
+        if ck is None:
+            if v > 0:
+                raise checkpoint.CheckpointError(
+                    f"policy version {v} is published but {self.ckpt_root} holds no checkpoint to resume from"
+                )
+            await asyncio.to_thread(self.save_checkpoint, 0, {"logs": _sizes(self.logs)}, True)
+            return 0
+        if ck.step not in (v, v + 1):
+            raise checkpoint.CheckpointError(
+                f"checkpoint {ck.path} (step {ck.step}) does not match version {v}"
+            )
+        await asyncio.to_thread(_truncate_logs, self.out, ck.state.get("logs", {}))
+        if not ck.initial:
+            if isinstance(self.backend, checkpoint.Checkpointable):
+                tensors = await asyncio.to_thread(ck.tensors)
+                await asyncio.to_thread(
+                    self.backend.load_checkpoint_state, tensors, ck.state.get("backend", {})
+                )
+            else:
+                log.warning("backend %s has no checkpoint support: resuming step %d from its initial state",
+                            type(self.backend).__name__, ck.step)  # fmt: skip
+        c = ck.state.get("commit")
+        if c is not None:  # redo steps 3-4 of the last commit (publishes only if c == v + 1)
+            raw = ck.state.get("metrics")
+            m = StepMetrics.model_validate(raw) if raw is not None else None
+            await self.finish_commit(int(c["step"]), m, list(c["groups"]), list(c["entries"]))
+        log.info("resumed from checkpoint %s: step %d (published version was %d)", ck.path.name, ck.step, v)
+        return ck.step
 
     async def run(self, stop: asyncio.Event) -> int:
         await self.b.ensure_group(self.k.groups, GROUP)
         self.out.mkdir(parents=True, exist_ok=True)
-        pv = await self.b.get_event(self.k.version, PolicyVersion)
-        version = 0 if pv is None else pv.policy_version
-        if pv is None:
-            await self.publish(0)
+        version = await self.resume()
         reader = asyncio.create_task(self._reader(stop))
         try:
             for step in range(version, self.cfg.controller.steps):
@@ -300,11 +400,32 @@ class Trainer:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
-            if self.record is not None:
-                self.record.close()
             if self.logger is not None:
                 self.logger.close()
         return 0
+
+
+def _append_all(appends: dict[Path, bytes], logs: list[Path]) -> dict[str, int]:
+    """Append each file's bytes and fsync; the sizes of every log afterwards (the commit's offsets)."""
+    for path, data in appends.items():
+        with path.open("ab") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    return _sizes(logs)
+
+
+def _sizes(logs: list[Path]) -> dict[str, int]:
+    return {p.name: p.stat().st_size if p.exists() else 0 for p in logs}
+
+
+def _truncate_logs(out: Path, offsets: dict[str, int]) -> None:
+    """Drop whatever an uncommitted step appended after the checkpoint's offsets."""
+    for name, size in offsets.items():
+        p = out / name
+        if p.exists() and p.stat().st_size > size:
+            log.info("truncating %s to %d bytes (uncommitted step)", p.name, size)
+            os.truncate(p, size)
 
 
 def _str(v: bytes | str) -> str:

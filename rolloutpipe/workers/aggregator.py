@@ -67,6 +67,9 @@ class Aggregator:
             if p is None:
                 return None
             self.plans[step] = p
+            for old in [s for s in self.plans if s < step - 2]:  # memory stays flat over long runs
+                self.plans.pop(old, None)
+                self.emitted_count.pop(old, None)
         return self.plans[step]
 
     async def trained_version(self) -> int:

@@ -18,9 +18,13 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+from redis.exceptions import NoPermissionError, RedisError, ResponseError
+
 from rolloutpipe import metrics
 from rolloutpipe.broker.events import PolicyVersion, RolloutRequest, StepMetrics, StepPlan
 from rolloutpipe.broker.streams import DATA, Broker, connect
+from rolloutpipe.broker.trim import TRAINER_GROUP, trim_run
+from rolloutpipe.broker.trim import as_str as _str
 from rolloutpipe.config import Config
 from rolloutpipe.errors import CodecError
 from rolloutpipe.workers.task import Prompt, load_dataset
@@ -70,6 +74,7 @@ class Controller:
         self.prompts = load_dataset(cfg.task.dataset, cfg.task.num_prompts, cfg.task.seed, cfg.task.path)
         self.window_on: dict[int, bool] = {}  # FGD frontier window per step
         self.free_makespan: float | None = None  # makespan of the last step without the window
+        self.stop = asyncio.Event()  # the run's stop event, once ``run`` starts
 
     async def version(self) -> int:
         raw = await self.b.r.get(self.k.version)
@@ -104,13 +109,88 @@ class Controller:
                     await self.b.ack(self.k.control, "controller", e.id)
 
     async def run(self, stop: asyncio.Event) -> int:
+        self.stop = stop
         audit = asyncio.create_task(self.audit_control(stop))
+        trim = asyncio.create_task(self.trim_loop(stop))
         try:
             return await self._run(stop)
         finally:
-            audit.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await audit
+            for t in (audit, trim):
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+
+    async def trim_loop(self, stop: asyncio.Event, every_s: float = 1.0, poll_s: float = 0.1) -> None:
+        """Trim acknowledged stream entries and old steps' keys (``rolloutpipe/broker/trim.py``).
+
+        Runs as each new policy version (step) appears, and at least every ``every_s`` seconds.
+        """
+        rc = self.cfg.redis
+        if not rc.trim:
+            return
+        last_v, last_t = -2, 0.0
+        while not stop.is_set():
+            try:
+                v = await self.version()
+                if v != last_v or time.monotonic() - last_t >= every_s:
+                    await trim_run(
+                        self.b.r,
+                        self.k,
+                        max(0, v),
+                        keep_steps=rc.keep_steps,
+                        control_maxlen=rc.control_maxlen,
+                    )
+                    last_v, last_t = v, time.monotonic()
+                    for old in [s for s in self.window_on if s < v - 2]:  # use_window reads step - 1
+                        del self.window_on[old]
+            except NoPermissionError as e:  # an ACL user without XTRIM/XINFO/XPENDING/DEL (compose)
+                log.error("trimming off for this run: the controller's Redis user may not trim: %s", e)
+                with contextlib.suppress(RedisError):
+                    await self.b.incr("trim_errors")
+                return
+            except RedisError as e:  # trimming is housekeeping: never the reason a run fails
+                log.warning("trim failed (trying again): %s", e)
+                with contextlib.suppress(RedisError):
+                    await self.b.incr("trim_errors")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), poll_s)
+
+    async def trainer_lag(self) -> int:
+        """Groups in ``groups`` the trainer has not acknowledged: undelivered (lag) + pending."""
+        try:
+            groups: Any = await self.b.r.xinfo_groups(self.k.groups)
+        except ResponseError:  # no stream yet
+            return 0
+        for g in groups:
+            if _str(g["name"]) != TRAINER_GROUP:
+                continue
+            lag = g.get("lag")
+            if lag is None:  # Redis cannot tell (entries deleted mid-stream): count them
+                after: Any = await self.b.r.xrange(
+                    self.k.groups, min="(" + _str(g["last-delivered-id"]), max="+"
+                )
+                lag = len(after)
+            return int(lag) + int(g["pending"])
+        return int(await self.b.r.xlen(self.k.groups))  # no trainer group yet: nothing consumed
+
+    async def wait_for_trainer(self, stop: asyncio.Event, poll_s: float = 0.05) -> None:
+        """Backpressure: hold releases while the trainer is more than ``max_trainer_lag_groups`` behind."""
+        limit = self.cfg.controller.max_trainer_lag_groups
+        if limit <= 0:
+            return
+        held = False
+        while not stop.is_set():
+            lag = await self.trainer_lag()
+            if lag <= limit:
+                break
+            if not held:
+                held = True
+                log.warning("trainer %d groups behind (> %d): holding releases", lag, limit)
+                await self.b.incr("backpressure_holds")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), poll_s)
+        if held:
+            log.info("trainer caught up: releasing again")
 
     async def _run(self, stop: asyncio.Event) -> int:
         cc = self.cfg.controller
@@ -118,18 +198,36 @@ class Controller:
         for step in range(start, cc.steps):
             if not await self.wait_version(step, stop):
                 return 0
-            if await self.b.r.exists(self.k.plan(step)):
-                log.info("step %d already planned (restart); not re-releasing", step)
-            else:
-                await self.release_step(step, stop)
+            await self.release_step(step, stop)
             if not await self.wait_version(step + 1, stop):
                 return 0
         await self.b.r.set(self.k.done, b"1")
         log.info("all %d steps done", cc.steps)
         return 0
 
+    def released_ids(self, step: int) -> str:
+        """Set of the request ids of step ``step`` already on ``requests`` (written with them)."""
+        return f"{self.k.released(step)}:ids"
+
     async def release_step(self, step: int, stop: asyncio.Event) -> None:
+        """Plan step ``step`` and release its requests; on a restart, only the ones not yet released.
+
+        Each release batch is one ``MULTI`` (``XADD``s, the ``released:k`` counter and the
+        ``released:k:ids`` set), so after a SIGKILL a request is either released and recorded or
+        neither; a restarted controller re-reads ``plan:k`` and the set and releases the rest.
+        """
         cc = self.cfg.controller
+        reqs = build_requests(self.cfg, self.b.run, step, self.prompts)
+        if await self.b.r.exists(self.k.plan(step)):
+            done = {_str(x) for x in await self.b.r.smembers(self.released_ids(step))}
+            if len(done) >= len(reqs):
+                log.info("step %d already planned and released (restart)", step)
+                return
+            log.info(
+                "step %d already planned (restart): %d of %d requests released", step, len(done), len(reqs)
+            )
+            await self._release_rest(step, reqs, done, stop)
+            return
         plan = StepPlan(
             run=self.b.run,
             step=step,
@@ -145,22 +243,32 @@ class Controller:
         pipe.set(self.k.plan(step), raw)
         pipe.xadd(self.k.control, {DATA: raw}, maxlen=self.b.maxlen, approximate=True)
         await pipe.execute()
-        reqs = build_requests(self.cfg, self.b.run, step, self.prompts)
+        await self._release_rest(step, reqs, set(), stop)
+
+    async def _release_rest(
+        self, step: int, reqs: list[RolloutRequest], done: set[str], stop: asyncio.Event
+    ) -> None:
+        cc = self.cfg.controller
+        todo = [rq for rq in reqs if rq.request_id not in done]
         if cc.mode in ("sync", "cgp"):
-            await self._release(step, reqs)
+            await self._release(step, todo)
         else:
-            await self._release_fgd(step, reqs, stop, window=await self.use_window(step))
-        log.info("step %d: %d requests released (%s)", step, len(reqs), cc.mode)
+            await self._release_fgd(step, reqs, stop, window=await self.use_window(step), done=done)
+        log.info("step %d: %d requests released (%s)", step, len(todo), cc.mode)
 
     async def _release(self, step: int, reqs: list[RolloutRequest]) -> None:
         if not reqs:
             return
+        await self.wait_for_trainer(self.stop)
+        if self.stop.is_set():
+            return
         now = time.time()
-        pipe = self.b.r.pipeline(transaction=False)
+        pipe = self.b.r.pipeline(transaction=True)  # released and recorded together, or neither
         for rq in reqs:
             rq.released_at = now
             pipe.xadd(self.k.requests, {DATA: self.b.encode(rq)}, maxlen=self.b.maxlen, approximate=True)
         pipe.incrby(self.k.released(step), len(reqs))
+        pipe.sadd(self.released_ids(step), *(rq.request_id for rq in reqs))
         await pipe.execute()
         metrics.REQUESTS_RELEASED.inc(len(reqs))
         metrics.STEP.labels("controller").set(step)
@@ -209,7 +317,12 @@ class Controller:
         return None
 
     async def _release_fgd(
-        self, step: int, reqs: list[RolloutRequest], stop: asyncio.Event, window: bool = True
+        self,
+        step: int,
+        reqs: list[RolloutRequest],
+        stop: asyncio.Event,
+        window: bool = True,
+        done: set[str] | None = None,
     ) -> None:
         """Admit as capacity frees, frontier groups first.
 
@@ -217,15 +330,20 @@ class Controller:
         groups in mini-batch order, and only groups of the next ``fgd_lookahead`` mini-batches
         beyond those already complete are admitted: generating far ahead of the trainer only
         enlarges every engine's decode batch and slows the groups the trainer is waiting for.
-        ``fgd_lookahead: 0`` fills all free capacity with later groups.
+        ``fgd_lookahead: 0`` fills all free capacity with later groups.  ``done``: request ids a
+        previous controller already released (a restart); their groups count as under way.
         """
         cc = self.cfg.controller
         gpm = cc.prompts_per_step // cc.minibatches
+        done = done or set()
         by_group: OrderedDict[str, list[RolloutRequest]] = OrderedDict()
-        for rq in reqs:
-            by_group.setdefault(rq.group_id, []).append(rq)
         started: set[str] = set()
-        released = 0
+        for rq in reqs:
+            if rq.request_id in done:
+                started.add(rq.group_id)
+            else:
+                by_group.setdefault(rq.group_id, []).append(rq)
+        released = len(reqs) - sum(len(v) for v in by_group.values())
         cap = 0
         cap_checked = 0.0
         while by_group and not stop.is_set():
