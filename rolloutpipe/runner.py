@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from rolloutpipe.broker import acl
 from rolloutpipe.broker.codec import DEFAULT_CODEC
-from rolloutpipe.broker.embedded import EmbeddedRedis, Supervisor
+from rolloutpipe.broker.embedded import EmbeddedRedis, Supervisor, find_redis_server, server_major_version
 from rolloutpipe.broker.events import StepMetrics
 from rolloutpipe.broker.streams import Keys, connect_sync
 from rolloutpipe.config import Config, TrainerConfig
@@ -40,6 +41,7 @@ class Cluster:
     url: str
     out: Path
     procs: list[RoleProc] = field(default_factory=list)
+    role_urls: dict[str, str] = field(default_factory=dict)  # per-role ACL users; else ``url``
 
     def spawn(
         self,
@@ -61,7 +63,7 @@ class Cluster:
             role,
             str(self.out / "config.yaml"),
             "--redis-url",
-            self.url,
+            self.role_urls.get(role, self.url),
             "--run",
             self.cfg.run,
             *(extra or []),
@@ -128,14 +130,20 @@ def tail(path: Path, n: int = 20) -> str:
 
 
 def run_cluster(
-    cfg: Config, url: str, out: Path, *, progress: bool = True, timeout_s: float = 3600.0
+    cfg: Config,
+    url: str,
+    out: Path,
+    *,
+    progress: bool = True,
+    timeout_s: float = 3600.0,
+    role_urls: dict[str, str] | None = None,
 ) -> list[StepMetrics]:
     """Start every role, follow the trainer's step metrics on ``control``, stop everything."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.jsonl").unlink(missing_ok=True)
     r = connect_sync(url)  # retries through a Redis restart, as the roles' clients do
     keys = Keys(cfg.run)
-    cluster = Cluster(cfg, url, out)
+    cluster = Cluster(cfg, url, out, role_urls=dict(role_urls or {}))
     metrics: list[StepMetrics] = []
     bar: Any = None
     if progress:
@@ -290,8 +298,25 @@ def run_embedded(cfg: Config, out: Path, url: str = "", progress: bool = True) -
     data = out / "redis"
     if rc.appendonly:
         shutil.rmtree(data, ignore_errors=True)  # a new run: never replay an older run's AOF
+    extra: list[str] = []
+    pw: dict[str, str] = {}
+    if rc.acl:
+        major = server_major_version(find_redis_server())
+        if major >= 7:
+            pw = acl.random_passwords()
+            extra = acl.server_args(pw, admin_password=pw["admin"])
+        else:
+            log.warning("redis-server %d has no per-key ACL selectors: running without role users", major)
     er = EmbeddedRedis(
-        appendonly=rc.appendonly, appendfsync=rc.appendfsync, dir=str(data) if rc.appendonly else None
+        appendonly=rc.appendonly,
+        appendfsync=rc.appendfsync,
+        dir=str(data) if rc.appendonly else None,
+        extra_args=extra,
     )
     with er, Supervisor(er) if rc.appendonly else contextlib.nullcontext():
-        return run_cluster(cfg, er.url, out, progress=progress)
+        if not pw:
+            return run_cluster(cfg, er.url, out, progress=progress)
+        urls = {role: acl.user_url(er.url, role, pw[role]) for role in acl.ROLES}
+        log.info("Redis users per role; read-only access: --redis-url %s", urls["observer"])
+        admin = acl.user_url(er.url, "admin", pw["admin"])
+        return run_cluster(cfg, admin, out, progress=progress, role_urls=urls)

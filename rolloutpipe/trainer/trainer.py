@@ -14,7 +14,6 @@ admission and completion stamped by workers, group reads and compute stamped her
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -30,6 +29,7 @@ from rolloutpipe.broker.events import Group, PolicyVersion, StepMetrics, StepPla
 from rolloutpipe.broker.streams import DATA, Broker, Entry, connect
 from rolloutpipe.config import Config
 from rolloutpipe.errors import StaleVersionError
+from rolloutpipe.runtime import close_client, end_tasks, queue_get, wait_event
 from rolloutpipe.trainer import checkpoint
 from rolloutpipe.trainer.backends import Backend, make_backend
 from rolloutpipe.trainer.fence import VersionFence
@@ -146,8 +146,7 @@ class Trainer:
             plan = await self.b.get_event(self.k.plan(step), StepPlan)
             if plan is not None:
                 return plan
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.01)
+            await wait_event(stop, 0.01)
         return None
 
     async def train_minibatch(self, groups: list[Group], clock: StepClock) -> dict[str, float]:
@@ -178,9 +177,8 @@ class Trainer:
         while len(consumed) < plan.n_groups:
             if stop.is_set():
                 return None
-            try:
-                item = await asyncio.wait_for(self.queue.get(), 0.1)
-            except TimeoutError:
+            item = await queue_get(self.queue, 0.1)
+            if item is None:
                 continue
             g = item.group
             try:
@@ -397,9 +395,7 @@ class Trainer:
                     m.trainer_wait_ratio,
                 )
         finally:
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reader
+            await end_tasks(stop, reader)
             if self.logger is not None:
                 self.logger.close()
         return 0
@@ -453,4 +449,4 @@ async def run_trainer(cfg: Config, url: str, run: str, out: Path, stop: asyncio.
             if (close := getattr(backend, "close", None)) is not None:  # deepspeed: release followers
                 await asyncio.to_thread(close)
     finally:
-        await r.aclose()
+        await close_client(r)

@@ -26,6 +26,7 @@ from rolloutpipe import metrics
 from rolloutpipe.broker.events import FrontierStatus, Group, PolicyVersion, Sample, StepPlan
 from rolloutpipe.broker.streams import Broker, Entry, connect
 from rolloutpipe.config import Config
+from rolloutpipe.runtime import close_client
 from rolloutpipe.trainer.grpo import group_advantages
 
 log = logging.getLogger("rolloutpipe.aggregator")
@@ -184,4 +185,4 @@ async def run_aggregator(cfg: Config, url: str, run: str, stop: asyncio.Event) -
         broker = Broker(r, run, "aggregator", maxlen=cfg.redis.maxlen)
         return await Aggregator(cfg, broker, f"aggregator-{os.getpid()}").run(stop)
     finally:
-        await r.aclose()
+        await close_client(r)

@@ -27,6 +27,7 @@ from rolloutpipe.broker.trim import TRAINER_GROUP, trim_run
 from rolloutpipe.broker.trim import as_str as _str
 from rolloutpipe.config import Config
 from rolloutpipe.errors import CodecError
+from rolloutpipe.runtime import close_client, end_tasks, wait_event
 from rolloutpipe.workers.task import Prompt, load_dataset
 
 log = logging.getLogger("rolloutpipe.controller")
@@ -84,8 +85,7 @@ class Controller:
         while not stop.is_set():
             if await self.version() >= v:
                 return True
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.01)
+            await wait_event(stop, 0.01)
         return False
 
     async def capacity(self) -> int:
@@ -115,10 +115,7 @@ class Controller:
         try:
             return await self._run(stop)
         finally:
-            for t in (audit, trim):
-                t.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await t
+            await end_tasks(stop, audit, trim)
 
     async def trim_loop(self, stop: asyncio.Event, every_s: float = 1.0, poll_s: float = 0.1) -> None:
         """Trim acknowledged stream entries and old steps' keys (``rolloutpipe/broker/trim.py``).
@@ -152,8 +149,7 @@ class Controller:
                 log.warning("trim failed (trying again): %s", e)
                 with contextlib.suppress(RedisError):
                     await self.b.incr("trim_errors")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), poll_s)
+            await wait_event(stop, poll_s)
 
     async def trainer_lag(self) -> int:
         """Groups in ``groups`` the trainer has not acknowledged: undelivered (lag) + pending."""
@@ -187,8 +183,7 @@ class Controller:
                 held = True
                 log.warning("trainer %d groups behind (> %d): holding releases", lag, limit)
                 await self.b.incr("backpressure_holds")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), poll_s)
+            await wait_event(stop, poll_s)
         if held:
             log.info("trainer caught up: releasing again")
 
@@ -354,8 +349,7 @@ class Controller:
             finished = int(await self.b.r.get(self.k.finished(step)) or 0)
             free = (cap or 1) + self.cfg.controller.fgd_slack - (released - finished)
             if free <= 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), 0.005)
+                await wait_event(stop, 0.005)
                 continue
             limit = len(reqs)  # groups that may be under way
             if window and cc.fgd_lookahead > 0:
@@ -376,8 +370,7 @@ class Controller:
                 if free <= 0:
                     break
             if not batch:  # the window is closed until more groups complete
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), 0.005)
+                await wait_event(stop, 0.005)
                 continue
             await self._release(step, batch)
             released += len(batch)
@@ -389,4 +382,4 @@ async def run_controller(cfg: Config, url: str, run: str, stop: asyncio.Event) -
     try:
         return await Controller(cfg, Broker(r, run, "controller", maxlen=cfg.redis.maxlen)).run(stop)
     finally:
-        await r.aclose()
+        await close_client(r)

@@ -27,6 +27,7 @@ from rolloutpipe.broker.events import PolicyVersion, RolloutRequest, Sample
 from rolloutpipe.broker.streams import DATA, Broker, Entry, connect
 from rolloutpipe.config import Config
 from rolloutpipe.errors import WeightsVerificationError
+from rolloutpipe.runtime import close_client, wait_event
 from rolloutpipe.workers.engines import Engine, make_engine
 from rolloutpipe.workers.task import import_string
 
@@ -80,8 +81,7 @@ class RolloutWorker:
             }
             await self.b.r.set(self.k.heartbeat(self.id), json.dumps(info).encode(), ex=ttl)
             await self.b.touch(self.k.requests, GROUP, self.id, list(self.inflight))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), rc.heartbeat_s)
+            await wait_event(stop, rc.heartbeat_s)
         await self.b.r.delete(self.k.heartbeat(self.id))
 
     async def ensure_version(self, want: int, stop: asyncio.Event) -> bool:
@@ -269,4 +269,4 @@ async def run_rollout(cfg: Config, url: str, run: str, stop: asyncio.Event, work
         worker = RolloutWorker(cfg, broker, make_engine(cfg), worker_id or default_worker_id())
         return await worker.run(stop)
     finally:
-        await r.aclose()
+        await close_client(r)

@@ -23,6 +23,7 @@ import numpy as np
 
 from rolloutpipe.broker.events import PolicyVersion, RolloutRequest
 from rolloutpipe.config import EmulatedEngineConfig
+from rolloutpipe.runtime import wait_event
 from rolloutpipe.workers.engines.base import Generation
 
 
@@ -106,9 +107,8 @@ class EmulatedEngine:
             emu = prefill + dt_tok * max(tokens_to_next, 0.0)
             self._wake.clear()
             t0 = time.monotonic()
-            with contextlib.suppress(TimeoutError):
-                # an arrival interrupts the interval so it can join the batch (continuous batching)
-                await asyncio.wait_for(self._wake.wait(), timeout=emu * scale)
+            # an arrival interrupts the interval so it can join the batch (continuous batching)
+            await wait_event(self._wake, emu * scale)
             elapsed_emu = (time.monotonic() - t0) / scale
             self.busy_s += time.monotonic() - t0
             advanced = max(0.0, elapsed_emu - prefill) / dt_tok

@@ -1,0 +1,78 @@
+"""Redis ACL users, one per role: the keys and commands each role needs, and nothing else.
+
+One source for both deployments: ``rolloutpipe run`` starts its private redis-server with these
+users and fresh random passwords, and ``docker-compose.yml`` spells the same rules out in its
+``redis`` command (``tests/test_compose.py`` checks that the two agree).  ``~`` is read and write,
+``%R~`` read only; ``rp:*:`` matches every run's ``rp:{run}:`` namespace.
+
+* ``controller`` writes ``requests``, plans and its release records; it also trims the streams and
+  old steps' keys (``XTRIM``/``DEL``) and audits ``control`` with a consumer group.
+* ``rollout`` writes ``samples`` and its heartbeats, reads ``version``; it cannot write
+  ``groups``, ``control`` or ``version``.
+* ``aggregator`` writes ``groups``; ``trainer`` writes ``version``, ``control`` and ``consumed``.
+* ``observer`` only reads (``tail``, ``status``, healthchecks).
+"""
+
+from __future__ import annotations
+
+import secrets
+
+_TX = ["+multi", "+exec", "+discard"]
+_STREAM_CONSUMER = ["+xreadgroup", "+xack", "+xautoclaim", "+xgroup|create"]
+
+ROLE_RULES: dict[str, list[str]] = {
+    "controller": [
+        "~rp:*:requests", "~rp:*:control", "~rp:*:dlq", "~rp:*:stats", "~rp:*:plan:*",
+        "~rp:*:released:*", "~rp:*:done", "~rp:*:samples", "~rp:*:groups", "~rp:*:finished:*",
+        "~rp:*:emitted:*", "~rp:*:consumed:*", "%R~rp:*:version", "%R~rp:*:worker:*",
+        "-@all", "+@connection", *_TX, "+xadd", *_STREAM_CONSUMER, "+xrange", "+xrevrange",
+        "+get", "+set", "+exists", "+incrby", "+hincrby", "+hget", "+scard", "+scan", "+sadd",
+        "+smembers", "+sismember", "+xtrim", "+xinfo|groups", "+xpending", "+xlen", "+del",
+    ],
+    "rollout": [
+        "~rp:*:requests", "~rp:*:samples", "~rp:*:dlq", "~rp:*:stats", "~rp:*:finished:*",
+        "~rp:*:worker:*", "%R~rp:*:version", "%R~rp:*:control", "%R~rp:*:plan:*", "%R~rp:*:done",
+        "-@all", "+@connection", *_TX, "+xadd", *_STREAM_CONSUMER, "+xclaim", "+get", "+set",
+        "+del", "+exists", "+incr", "+incrby", "+hincrby", "+hget", "+scan",
+    ],
+    "aggregator": [
+        "~rp:*:samples", "~rp:*:groups", "~rp:*:dlq", "~rp:*:stats", "~rp:*:emitted:*",
+        "%R~rp:*:version", "%R~rp:*:plan:*", "%R~rp:*:done",
+        "-@all", "+@connection", *_TX, "+xadd", *_STREAM_CONSUMER, "+evalsha", "+eval",
+        "+script|load", "+get", "+exists", "+sadd", "+sismember", "+scard", "+hincrby", "+hget",
+    ],
+    "trainer": [
+        "~rp:*:groups", "~rp:*:control", "~rp:*:version", "~rp:*:dlq", "~rp:*:stats",
+        "~rp:*:consumed:*", "%R~rp:*:plan:*", "%R~rp:*:done",
+        "-@all", "+@connection", *_TX, "+xadd", "+xreadgroup", "+xack", "+xgroup|create", "+get",
+        "+set", "+exists", "+sadd", "+smembers", "+hincrby", "+hget",
+    ],
+    "observer": [
+        "%R~rp:*", "-@all", "+@connection", *_TX, "+@read", "-@dangerous", "+xinfo|groups",
+        "+xinfo|consumers", "+xinfo|stream", "+info",
+    ],
+}  # fmt: skip
+ROLES = tuple(ROLE_RULES)
+
+
+def server_args(passwords: dict[str, str], admin_password: str = "") -> list[str]:
+    """redis-server arguments: the default user off, one user per role (and an admin, if given)."""
+    args = ["--user", "default", "off"]
+    for role, rules in ROLE_RULES.items():
+        args += ["--user", role, "on", f">{passwords[role]}", *rules]
+    if admin_password:  # ``rolloutpipe run`` itself: sets ``done``, follows ``control``
+        args += ["--user", "admin", "on", f">{admin_password}", "~*", "&*", "+@all"]
+    return args
+
+
+def random_passwords() -> dict[str, str]:
+    return {role: secrets.token_hex(16) for role in (*ROLES, "admin")}
+
+
+def user_url(url: str, user: str, password: str) -> str:
+    """``redis://host:port/db`` -> ``redis://user:password@host:port/db`` (also ``rediss://``)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise ValueError(f"not a Redis URL: {url!r}")
+    rest = rest.split("@", 1)[-1]
+    return f"{scheme}://{user}:{password}@{rest}"
