@@ -123,3 +123,13 @@ def test_run_survives_redis_crash_and_restart(tmp_path: Path) -> None:
         r.close()
     finally:
         er.stop()
+
+
+def test_embedded_redis_with_a_relative_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make demo` runs `rolloutpipe run ... --out runs/demo`: the AOF dir is relative to the cwd."""
+    monkeypatch.chdir(tmp_path)
+    with EmbeddedRedis(appendonly=True, dir="runs/demo/redis") as er:
+        r = redis.Redis(port=er.port)
+        assert r.set("k", b"v")
+        r.close()
+    assert (tmp_path / "runs" / "demo" / "redis" / "redis.log").exists()

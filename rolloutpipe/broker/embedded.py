@@ -96,7 +96,9 @@ class EmbeddedRedis:
             self._tmp = tempfile.TemporaryDirectory(prefix="rolloutpipe-redis-")
             workdir = self._tmp.name
         else:
-            workdir = self._dir
+            # absolute: redis-server changes into --dir before it opens --logfile, so a relative
+            # path (``--out runs/demo``) would be looked up twice over
+            workdir = str(Path(self._dir).resolve())
             Path(workdir).mkdir(parents=True, exist_ok=True)
         last_err = ""
         for _ in range(1 if self.fixed_port else 5):  # a free port can be taken between probe and bind
