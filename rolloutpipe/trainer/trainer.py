@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rolloutpipe.trainer")
 GROUP = "trainer"
+PENDING_SWEEP_S = 2.0  # how often the reader re-reads its own pending entries
 
 
 @dataclass
@@ -99,6 +100,7 @@ class Trainer:
         self.out = out
         self.weights_root = out / "weights"
         self.queue: asyncio.Queue[_Read] = asyncio.Queue(maxsize=max(4, 2 * cfg.controller.prompts_per_step))
+        self.queued_ids: set[str] = set()  # group entries handed to train_step (this process)
         self.ckpt_root = out / "checkpoints" / broker.run
         self.logs = [out / "metrics.jsonl"]  # appended at each commit; truncated back on resume
         if cfg.trainer.record_groups:
@@ -111,12 +113,24 @@ class Trainer:
         """Read groups promptly (stamping read time) even while the backend computes."""
         consumer = "trainer-0"
         backlog = await self.b.read(self.k.groups, GROUP, consumer, count=10_000, block_ms=1, start="0")
+        last_sweep = time.monotonic()
         while not stop.is_set():
+            if not backlog and time.monotonic() - last_sweep > PENDING_SWEEP_S:
+                # Entries delivered to us whose reply was lost (a connection dropped mid-read, a
+                # Redis restart) sit pending without our having seen them: pick them up again.
+                last_sweep = time.monotonic()
+                mine = await self.b.read(self.k.groups, GROUP, consumer, count=10_000, block_ms=1, start="0")
+                backlog = [e for e in mine if e.id not in self.queued_ids]
+                if backlog:
+                    log.warning("picked up %d pending groups never seen (a lost read reply)", len(backlog))
             entries = backlog or await self.b.read(
                 self.k.groups, GROUP, consumer, count=16, block_ms=self.cfg.redis.block_ms
             )
             backlog = []
             for e in entries:
+                if e.id in self.queued_ids:
+                    continue
+                self.queued_ids.add(e.id)
                 now = time.time()
                 ev = await self.b.decode_or_dlq(e, GROUP, (Group,))
                 if ev is None:
@@ -330,6 +344,7 @@ class Trainer:
         if entry_ids:
             pipe.xack(self.k.groups, GROUP, *entry_ids)
         await pipe.execute()
+        self.queued_ids.difference_update(entry_ids)  # acknowledged: never pending again
 
     async def resume(self) -> int:
         """Reconcile the newest checkpoint with the published version; returns the step to train."""

@@ -31,6 +31,7 @@ from rolloutpipe.trainer.grpo import group_advantages
 
 log = logging.getLogger("rolloutpipe.aggregator")
 GROUP = "aggregator"
+PENDING_SWEEP_S = 2.0  # how often, when idle, the aggregator re-reads its own pending entries
 
 # KEYS: emitted-set, groups stream, samples stream.  ARGV: group id, payload, maxlen, sample entry ids…
 EMIT_LUA = """
@@ -167,10 +168,19 @@ class Aggregator:
             log.info("recovering %d pending samples", len(pending))
         for e in pending:
             await self.on_entry(e)
+        last_sweep = time.monotonic()
         while not stop.is_set():
             entries = await self.b.read(
                 self.k.samples, GROUP, self.consumer, count=256, block_ms=self.cfg.redis.block_ms
             )
+            if not entries and time.monotonic() - last_sweep > PENDING_SWEEP_S:
+                # Samples delivered to us whose reply was lost (a dropped connection, a Redis
+                # restart) are pending without our having seen them; on_entry is idempotent for the
+                # ones already held in a partial group.
+                last_sweep = time.monotonic()
+                entries = await self.b.read(
+                    self.k.samples, GROUP, self.consumer, count=1000, block_ms=1, start="0"
+                )
             for e in entries:
                 await self.on_entry(e)
             if not entries and await self.b.r.exists(self.k.done):
