@@ -280,15 +280,19 @@ async def test_controller_killed_mid_fgd_release_releases_exactly_the_rest(
         return [broker.codec.decode_as(f[DATA], RolloutRequest).request_id for _e, f in entries]
 
     # no worker capacity and nothing finished: FGD releases 1 + slack requests, then waits
-    first = asyncio.create_task(Controller(cfg, broker).release_step(0, asyncio.Event()))
+    stop_first = asyncio.Event()
+    first = asyncio.create_task(Controller(cfg, broker).release_step(0, stop_first))
     deadline = time.monotonic() + 10
     while len(await released()) < 4:
         assert time.monotonic() < deadline and not first.done()
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.1)
-    first.cancel()  # the "kill": between two release batches
-    with pytest.raises(asyncio.CancelledError):
-        await first
+    # The "kill", between two release batches (each batch is one MULTI, so a SIGKILL leaves the same
+    # state).  Stopped through its stop event, not Task.cancel(): on Python 3.11 a cancel that
+    # races with a timeout inside the Redis client can be swallowed, and the task would go on.
+    # Real SIGKILLs of the controller at random moments are in tests/test_chaos.py.
+    stop_first.set()
+    await asyncio.wait_for(first, 10)
     before = await released()
     assert len(before) == 4 and await broker.r.exists(keys.plan(0))
 
