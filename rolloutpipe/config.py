@@ -17,6 +17,21 @@ from rolloutpipe.errors import ConfigError
 
 Mode = Literal["sync", "cgp", "cgp-fgd"]
 MODES: tuple[Mode, ...] = ("sync", "cgp", "cgp-fgd")
+Schedule = Literal["barrier", "pipelined"]
+# The paper's names, as presets of the trainer's schedule and the controller's policy.
+PRESETS: dict[str, tuple[Schedule, str]] = {
+    "sync": ("barrier", "fifo"),
+    "cgp": ("pipelined", "fifo"),
+    "cgp-fgd": ("pipelined", "fgd"),
+}
+
+
+def mode_label(schedule: str, policy: str) -> str:
+    """The preset's name for a (schedule, policy) pair, else ``schedule/policy``."""
+    for name, pair in PRESETS.items():
+        if pair == (schedule, policy):
+            return name
+    return f"{schedule}/{policy}"
 
 
 class _Section(BaseModel):
@@ -114,12 +129,21 @@ class RolloutConfig(_Section):
     # CUDA_VISIBLE_DEVICES of each worker that ``rolloutpipe run`` starts (worker i gets entry
     # i mod len), e.g. ["0", "1"], or ["0,1", "2,3"] with tensor_parallel_size 2.  Empty: inherit.
     devices: list[str] = Field(default_factory=list)
+    # The engines' own randomness (vLLM's engine seed; the emulated engine's lengths and rewards).
+    # Each request also carries a seed of its own, drawn by the controller from ``controller.seed``.
+    seed: int = 0
     vllm: VllmEngineConfig = Field(default_factory=VllmEngineConfig)
     emulated: EmulatedEngineConfig = Field(default_factory=EmulatedEngineConfig)
 
 
 class ControllerConfig(_Section):
-    mode: Mode = "cgp-fgd"
+    # A preset of the paper (sync, cgp, cgp-fgd): sets ``policy`` and ``trainer.schedule`` when the
+    # config is loaded.  Leave it unset to choose the two separately.
+    mode: Mode | None = None
+    # The admission and allocation policy: a name (fifo, fgd) or a dotted path ``pkg.mod:Class``
+    # (rolloutpipe/workers/policies/).  ``policy_args`` go to its constructor.
+    policy: str = "fgd"
+    policy_args: dict[str, Any] = Field(default_factory=dict)
     steps: int = 60
     prompts_per_step: int = 16
     group_size: int = 16
@@ -176,6 +200,10 @@ class DeepSpeedConfig(_Section):
 
 class TrainerConfig(_Section):
     backend: Literal["torch", "emulated", "deepspeed"] = "torch"
+    # "pipelined" (CGP): forward/backward per group as groups arrive, a step at each mini-batch
+    # boundary.  "barrier" (slime's loop): the same computation once the step's last group is in.
+    schedule: Schedule = "pipelined"
+    read_ahead_groups: int = Field(default=256, ge=1)  # groups read ahead of training (bounded memory)
     nproc: int = 1  # deepspeed: data-parallel processes (one a GPU) under torchrun
     devices: str = ""  # CUDA_VISIBLE_DEVICES of the trainer started by ``rolloutpipe run``
     lr: float = 5e-4
@@ -240,6 +268,33 @@ class Config(BaseSettings):
     redis: RedisConfig = Field(default_factory=RedisConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
+    @model_validator(mode="after")
+    def _apply_preset(self) -> Config:
+        """``controller.mode`` is the paper's name for a (schedule, policy) pair; expand it once here."""
+        mode = self.controller.mode
+        if mode is not None:
+            schedule, policy = PRESETS[mode]
+            given = [
+                f"{name}={value!r}"
+                for name, value, want, section in (
+                    ("controller.policy", self.controller.policy, policy, self.controller),
+                    ("trainer.schedule", self.trainer.schedule, schedule, self.trainer),
+                )
+                if name.split(".")[1] in section.model_fields_set and value != want
+            ]
+            if given:
+                raise ValueError(
+                    f"controller.mode={mode} means trainer.schedule={schedule!r} and "
+                    f"controller.policy={policy!r}, but {', '.join(given)} is set too: "
+                    "drop controller.mode to choose the two separately"
+                )
+            self.trainer.schedule, self.controller.policy = schedule, policy
+        return self
+
+    @property
+    def mode(self) -> str:
+        return mode_label(self.trainer.schedule, self.controller.policy)
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -254,7 +309,9 @@ class Config(BaseSettings):
 
     def dump_yaml(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False))
+        data = self.model_dump(mode="json")
+        data["controller"]["mode"] = None  # the preset is already expanded into policy and schedule
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
 def _set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
@@ -299,6 +356,36 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _expand_preset(layer: dict[str, Any], where: str) -> dict[str, Any]:
+    """``controller.mode`` -> ``controller.policy`` + ``trainer.schedule``, within one layer.
+
+    Expanding each layer (file, environment, overrides) before they are merged lets a later layer
+    override a preset of an earlier one (``--mode sync`` on a file that names a policy), while one
+    layer that asks for a preset and a different policy is an error.
+    """
+    ctl = layer.get("controller")
+    if not isinstance(ctl, dict) or ctl.get("mode") is None:
+        return layer
+    mode = ctl["mode"]
+    if mode not in PRESETS:
+        return layer  # let validation name the bad value
+    schedule, policy = PRESETS[mode]
+    tr_raw = layer.get("trainer")
+    tr: dict[str, Any] = tr_raw if isinstance(tr_raw, dict) else {}
+    clash = [f"{k}={v!r}" for k, v, want in (("controller.policy", ctl.get("policy", policy), policy),
+                                              ("trainer.schedule", tr.get("schedule", schedule), schedule))
+             if v != want]  # fmt: skip
+    if clash:
+        raise ConfigError(
+            f"{where}: controller.mode={mode} means trainer.schedule={schedule!r} and controller.policy="
+            f"{policy!r}, but {', '.join(clash)} is set too: drop controller.mode to choose the two"
+        )
+    out = dict(layer)
+    out["controller"] = {**{k: v for k, v in ctl.items() if k != "mode"}, "policy": policy}
+    out["trainer"] = {**tr, "schedule": schedule}
+    return out
+
+
 def load_config(
     path: str | Path | None, overrides: list[str] | None = None, environ: dict[str, str] | None = None
 ) -> Config:
@@ -314,8 +401,11 @@ def load_config(
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping, not {type(loaded).__name__}")
         data = loaded
-    data = _deep_merge(data, _env_overrides(dict(os.environ if environ is None else environ)))
-    data = _deep_merge(data, parse_overrides(overrides or []))
+    data = _expand_preset(data, "the config file")
+    data = _deep_merge(
+        data, _expand_preset(_env_overrides(dict(os.environ if environ is None else environ)), "RP_…")
+    )
+    data = _deep_merge(data, _expand_preset(parse_overrides(overrides or []), "the overrides"))
     try:
         return Config(**data)
     except ValidationError as e:

@@ -48,17 +48,18 @@ REASON_WIDTH = 60
 HEX_HEAD = 64
 REPLAYED_COUNTER = "dead_letters_replayed"
 
-# KEYS: source stream, replayed hash, stats hash.  ARGV: dlq id, payload, record JSON, force (0/1).
+# KEYS: source stream, replayed hash, stats hash.
+# ARGV: dlq id, payload, record JSON, force (0/1), data field, replay counter.
 # Returns the new entry id, or nil when already replayed (and not forced).
 REPLAY_LUA = """
 if ARGV[4] == '0' and redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then
   return false
 end
-local id = redis.call('XADD', KEYS[1], '*', 'd', ARGV[2])
+local id = redis.call('XADD', KEYS[1], '*', ARGV[5], ARGV[2])
 local rec = cjson.decode(ARGV[3])
 rec['to'] = id
 redis.call('HSET', KEYS[2], ARGV[1], cjson.encode(rec))
-redis.call('HINCRBY', KEYS[3], 'dead_letters_replayed', 1)
+redis.call('HINCRBY', KEYS[3], ARGV[6], 1)
 return id
 """
 
@@ -68,7 +69,7 @@ class DlqError(RolloutPipeError):
 
 
 def replayed_key(run: str) -> str:
-    return f"{Keys(run).prefix}dlq:replayed"
+    return Keys(run).dlq_replayed
 
 
 @dataclass(frozen=True)
@@ -409,7 +410,7 @@ def replay(
         note = json.dumps({"at": time.time(), "stream": rec.letter.source_stream, "forced": bool(why)})
         new: Any = script(
             keys=[rec.letter.source_stream, replayed_key(run), keys.stats],
-            args=[rec.id, rec.letter.payload, note, int(force)],
+            args=[rec.id, rec.letter.payload, note, int(force), DATA, REPLAYED_COUNTER],
         )
         if new is None:  # replayed by someone else since we read it
             out.append(Replay(rec, "already replayed (concurrently)", True))

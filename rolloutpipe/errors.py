@@ -23,3 +23,7 @@ class EmbeddedRedisError(RolloutPipeError):
 
 class ConfigError(RolloutPipeError):
     """A configuration that cannot be used."""
+
+
+class PolicyError(RolloutPipeError):
+    """A scheduling policy decided something the controller cannot apply (a bug in the policy)."""

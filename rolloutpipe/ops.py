@@ -31,19 +31,22 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.events import (
+    Allocation,
     DeadLetter,
     Event,
     Group,
+    GroupStats,
     PolicyVersion,
     RolloutRequest,
     Sample,
     StepMetrics,
     StepPlan,
+    StepSeal,
 )
-from rolloutpipe.broker.streams import DATA, Keys
+from rolloutpipe.broker.streams import DATA, Groups, Keys, lag_of
 from rolloutpipe.errors import CodecError
 
-STREAMS = ("requests", "samples", "groups", "control", "dlq")
+STREAMS = ("requests", "samples", "groups", "control", "feedback", "dlq")
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 ARRAY_INLINE = 16
 ARRAY_HEAD = 8
@@ -312,23 +315,24 @@ def pretty_segments(d: Decoded) -> list[tuple[str, str]]:
 def _details(ev: Event) -> list[str]:
     if isinstance(ev, RolloutRequest):
         return [
-            f"group {ev.group_id} sample {ev.sample_index}/{ev.group_size}",
+            f"group {ev.group_id} sample {ev.sample_index}",
             f"prompt {ev.prompt!r} answer {ev.answer!r}",
             f"mb_hint {ev.minibatch_hint}",
         ]
     if isinstance(ev, Sample):
         return [
-            f"group {ev.group_id} sample {ev.sample_index}/{ev.group_size}",
+            f"group {ev.group_id} sample {ev.sample_index}",
             f"worker {ev.worker}",
             f"reward {ev.reward:g}",
             f"response {ev.response_ids.size} tok ({ev.finish_reason})",
             f"took {ev.finished_at - ev.admitted_at:.3f}s",
         ]
     if isinstance(ev, Group):
-        f = ev.frontier
+        f, a = ev.frontier, ev.allocation
         rewards = np.asarray([s.reward for s in ev.samples], dtype=np.float64)
         return [
             f"group {ev.group_id} prompt {ev.prompt_index}",
+            f"{len(ev.samples)} samples ({_alloc_text(a.initial, a.counts, a.status)})",
             f"frontier mb {f.minibatch + 1}/{max(1, f.total_groups // f.minibatch_size)}"
             f" pos {f.position + 1}/{f.total_groups} needs {f.needed} more",
             f"rewards {_short_list(rewards)} mean {rewards.mean() if rewards.size else 0.0:.3f}",
@@ -336,7 +340,23 @@ def _details(ev: Event) -> list[str]:
             f"versions {sorted({s.policy_version for s in ev.samples})}",
         ]
     if isinstance(ev, StepPlan):
-        return [f"{ev.mode} {ev.n_groups} groups x G{ev.group_size}, {ev.minibatches} mini-batches"]
+        return [
+            f"{ev.policy} {ev.n_groups} groups, {ev.n_requests} samples ({_sizes(ev)})",
+            f"{ev.minibatches} mini-batches" + ("" if ev.sealed else ", groups may change"),
+        ]
+    if isinstance(ev, Allocation):
+        return [f"group {ev.group_id} {_alloc_text(ev.initial, ev.counts, ev.status)}",
+                f"final {ev.final}" + (f" ({ev.reason})" if ev.reason else "")]  # fmt: skip
+    if isinstance(ev, StepSeal):
+        return [f"{ev.n_groups} groups for the trainer", f"{len(ev.skipped)} skipped"]
+    if isinstance(ev, GroupStats):
+        rewards = np.asarray(ev.rewards, dtype=np.float64)
+        return [
+            f"group {ev.group_id} samples 0..{ev.n - 1} complete" + (" (emitted)" if ev.emitted else ""),
+            f"rewards {_short_list(rewards)} mean {rewards.mean() if rewards.size else 0.0:.3f}",
+            f"mean length {float(np.mean(ev.lengths)) if len(ev.lengths) else 0.0:.0f} tok",
+            f"{ev.truncated} truncated",
+        ]
     if isinstance(ev, PolicyVersion):
         return [f"published {_clock(ev.published_at)}", f"{len(ev.sha256)} files {ev.path}".rstrip()]
     if isinstance(ev, StepMetrics):
@@ -354,6 +374,18 @@ def _details(ev: Event) -> list[str]:
             f"payload {len(ev.payload)} B" + (f" ({kind})" if kind else ""),
         ]
     return []
+
+
+def _alloc_text(initial: int, counts: list[int], status: str) -> str:
+    """``8 -> 12 -> 8 closed``: a group's counts, from its plan to its last decision."""
+    steps = [str(initial), *(str(c) for c in counts[1:])]
+    return " -> ".join(steps) + ("" if status in ("final", "open") else f" {status}")
+
+
+def _sizes(plan: StepPlan) -> str:
+    """``G 8`` or ``G 4..12``: the spread of the planned counts."""
+    ns = [g.n for g in plan.groups] or [0]
+    return f"G {ns[0]}" if min(ns) == max(ns) else f"G {min(ns)}..{max(ns)}"
 
 
 def _short_list(a: np.ndarray, signed: bool = False, head: int = 8) -> str:
@@ -481,17 +513,23 @@ def _current_step(r: redis.Redis, k: Keys, version: dict[str, Any] | None) -> di
     except CodecError as e:
         return {"step": step, "error": str(e)}
     gpm = plan.groups_per_minibatch
+    allocs = {_s(g): DEFAULT_CODEC.decode_as(v, Allocation) for g, v in r.hgetall(k.alloc(step)).items()}
     emitted = int(r.scard(k.emitted(step)))
     trained = version is not None and int(version.get("policy_version", -1)) > step
     frontier = emitted < plan.n_groups and not trained
     return {
         "step": step,
-        "mode": plan.mode,
+        "policy": plan.policy,
         "groups": plan.n_groups,
-        "group_size": plan.group_size,
+        "group_sizes": _sizes(plan),
         "minibatches": plan.minibatches,
         "requests_released": _int(r.get(k.released(step))),
-        "requests_total": plan.n_groups * plan.group_size,
+        "requests_total": sum(
+            {**{g.group_id: g.n for g in plan.groups}, **{g: a.n for g, a in allocs.items()}}.values()
+        ),
+        "groups_closed": sum(1 for a in allocs.values() if a.status == "closed"),
+        "groups_skipped": sum(1 for a in allocs.values() if a.status == "skipped"),
+        "samples_discarded": _int(r.hget(k.stats, f"discarded_samples:{step}")),
         "samples_finished": _int(r.get(k.finished(step))),
         "groups_emitted": emitted,
         "groups_consumed": int(r.scard(k.consumed(step))),  # written when the step's training ends
@@ -537,10 +575,11 @@ def worker_health(r: Any, run: str, worker: str) -> tuple[int, str]:
 def trainer_backlog(st: dict[str, Any]) -> int:
     """Groups not yet trained on: the ``trainer`` group's lag + pending (all of them with no such group)."""
     groups = st["streams"]["groups"]
-    for g in groups["groups"]:
-        if g["name"] == "trainer":
-            return int(g["pending"]) + int(g["lag"] or 0)
-    return int(groups["length"])
+    trainer = [g for g in groups["groups"] if g["name"] == Groups.TRAINER]
+    if not trainer:
+        return int(groups["length"])
+    lag = lag_of(trainer, Groups.TRAINER)  # the same reading as the controller's backpressure
+    return int(trainer[0]["pending"]) if lag is None else lag
 
 
 def render_status(st: dict[str, Any]) -> str:
@@ -564,11 +603,14 @@ def render_status(st: dict[str, Any]) -> str:
         else:
             fr = "none: " + ("the step is trained" if s["state"] == "trained" else "every group is emitted")
         lines += [
-            f"step            {s['step']}  {s['mode']}  {s['state']}",
+            f"step            {s['step']}  {s['policy']}  {s['state']}",
             f"frontier        {fr}",
             f"progress        requests {s['requests_released']}/{s['requests_total']} released, "
             f"{s['samples_finished']} finished; groups {s['groups_emitted']}/{s['groups']} emitted, "
             f"{s['groups_consumed']} consumed",
+            f"allocation      {s['group_sizes']}; {s['groups_closed']} closed, "
+            f"{s['groups_skipped']} skipped, "
+            f"{s['samples_discarded']} samples discarded",
         ]
     elif s is not None:
         lines.append(f"step            {s['step']}  undecodable plan: {s['error']}")

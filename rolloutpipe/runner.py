@@ -151,7 +151,7 @@ def run_cluster(
 
         bar = tqdm(
             total=cfg.controller.steps,
-            desc=f"{cfg.run} [{cfg.controller.mode}]",
+            desc=f"{cfg.run} [{cfg.mode}]",
             unit="step",
             file=sys.stderr,
             dynamic_ncols=True,
@@ -237,7 +237,7 @@ def write_report(cfg: Config, metrics: list[StepMetrics], out: Path) -> Path:
     """``report.json`` plus a reward / timing picture (``report.png``)."""
     rep = {
         "run": cfg.run,
-        "mode": cfg.controller.mode,
+        "mode": cfg.mode,
         "steps": len(metrics),
         "reward_first": metrics[0].reward_mean if metrics else None,
         "reward_last": metrics[-1].reward_mean if metrics else None,
@@ -264,7 +264,7 @@ def write_report(cfg: Config, metrics: list[StepMetrics], out: Path) -> Path:
         ax[0].set(title="mean reward", xlabel="step", ylim=(0, 1.05))
         ax[1].plot(xs, [m.rollout_to_train_end_s for m in metrics], label="rollout-to-train-end (s)")
         ax[1].plot(xs, [m.trainer_wait_ratio for m in metrics], label="trainer wait ratio")
-        ax[1].set(title=f"timing ({cfg.controller.mode})", xlabel="step")
+        ax[1].set(title=f"timing ({cfg.mode})", xlabel="step")
         ax[1].legend()
         fig.tight_layout()
         fig.savefig(out / "report.png", dpi=100)

@@ -11,19 +11,25 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import BaseModel
 
 from rolloutpipe.broker.codec import DEFAULT_CODEC, MsgpackCodec
 from rolloutpipe.broker.events import (
     SCHEMA_VERSION,
+    Allocation,
+    AllocationRecord,
     DeadLetter,
     Event,
     FrontierStatus,
     Group,
+    GroupPlan,
+    GroupStats,
     PolicyVersion,
     RolloutRequest,
     Sample,
     StepMetrics,
     StepPlan,
+    StepSeal,
 )
 from rolloutpipe.errors import CodecError
 
@@ -33,8 +39,8 @@ RUN = "codec-run"
 def make_request() -> RolloutRequest:
     return RolloutRequest(
         run=RUN, step=3, policy_version=3, request_id="3:1:2", group_id="3:1", prompt_index=17,
-        sample_index=2, group_size=4, prompt="7+5=", answer="2", seed=12345, max_new_tokens=8,
-        temperature=0.7, minibatch_hint=1, released_at=1700000000.25,
+        sample_index=2, prompt="7+5=", answer="2", seed=12345, max_new_tokens=8,
+        temperature=0.7, minibatch_hint=1, queue_share_of=32, released_at=1700000000.25,
     )  # fmt: skip
 
 
@@ -42,7 +48,7 @@ def make_sample(i: int = 0, n_resp: int = 5) -> Sample:
     rng = np.random.default_rng(i)
     return Sample(
         run=RUN, step=3, policy_version=3, sample_id=f"3:1:{i}", request_id=f"3:1:{i}", group_id="3:1",
-        prompt_index=17, sample_index=i, group_size=4, worker="w0",
+        prompt_index=17, sample_index=i, worker="w0",
         prompt_ids=np.array([1, 2, 3, 2**31 - 1, -(2**31)], dtype=np.int32),
         response_ids=rng.integers(0, 50_000, size=n_resp, dtype=np.int32),
         logprobs=rng.normal(size=n_resp).astype(np.float32) - 3.0,
@@ -56,14 +62,37 @@ def make_group() -> Group:
         run=RUN, step=3, policy_version=3, group_id="3:1", prompt_index=17, samples=samples,
         advantages=np.array([-1.0, 1.0, -1.0, 1.0], dtype=np.float32),
         frontier=FrontierStatus(minibatch=0, position=1, minibatch_size=4, needed=2, total_groups=8),
+        allocation=AllocationRecord(initial=6, counts=[6, 4], status="closed", reason="enough signal"),
         completed_at=12.0,
     )  # fmt: skip
 
 
 def make_plan() -> StepPlan:
     return StepPlan(
-        run=RUN, step=3, policy_version=3, mode="cgp-fgd", n_groups=8, group_size=4, minibatches=2,
-        created_at=9.0,
+        run=RUN, step=3, policy_version=3, policy="fgd",
+        groups=[GroupPlan(group_id=f"3:{g}", prompt_index=24 + g, n=4, final=g % 2 == 0) for g in range(8)],
+        minibatches=2, groups_per_minibatch=4, sealed=False, created_at=9.0,
+    )  # fmt: skip
+
+
+def make_allocation() -> Allocation:
+    return Allocation(
+        run=RUN, step=3, policy_version=3, group_id="3:1", prompt_index=25, n=8, final=False,
+        status="open", reason="extend: mixed rewards", initial=4, counts=[4, 8], revision=1, minibatch_hint=1,
+        created_at=9.5,
+    )  # fmt: skip
+
+
+def make_seal() -> StepSeal:
+    return StepSeal(run=RUN, step=3, policy_version=3, n_groups=7, skipped=["3:5"], created_at=10.0)
+
+
+def make_group_stats() -> GroupStats:
+    return GroupStats(
+        run=RUN, step=3, policy_version=3, group_id="3:1", prompt_index=25, n=4,
+        rewards=np.array([0.0, 1.0, 1.0, 0.0], dtype=np.float32),
+        lengths=np.array([3, 9, 2**31 - 1, 0], dtype=np.int32),
+        truncated=1, emitted=False, created_at=11.0,
     )  # fmt: skip
 
 
@@ -96,6 +125,9 @@ ALL_EVENTS: dict[str, Callable[[], Event]] = {
     "sample": make_sample,
     "group": make_group,
     "plan": make_plan,
+    "allocation": make_allocation,
+    "seal": make_seal,
+    "group_stats": make_group_stats,
     "policy_version": make_version,
     "metrics": make_metrics,
     "dead_letter": make_dead_letter,
@@ -108,7 +140,7 @@ def assert_same(a: Any, b: Any) -> None:
         assert isinstance(b, np.ndarray)
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_array_equal(a, b)
-    elif isinstance(a, Event | FrontierStatus):
+    elif isinstance(a, BaseModel):  # events and their nested models (frontier, allocation, plan groups)
         assert type(a) is type(b)
         for name in type(a).model_fields:
             assert_same(getattr(a, name), getattr(b, name))
@@ -241,7 +273,15 @@ BAD_INPUTS = {
     "schema_version 0": _mutated(make_plan, schema_version=0),
     "no schema_version": _mutated(make_plan, schema_version=_DROP),
     "schema_version as str": _mutated(make_plan, schema_version="1"),
-    "bad mode": _mutated(make_plan, mode="async"),
+    "old schema_version": _mutated(make_plan, schema_version=1),
+    "plan group of 0 samples": _mutated(
+        make_plan, groups=[{"group_id": "3:0", "prompt_index": 24, "n": 0, "final": True}]
+    ),
+    "groups_per_minibatch 0": _mutated(make_plan, groups_per_minibatch=0),
+    "plan without groups": _mutated(make_plan, groups=_DROP),
+    "allocation of -1 samples": _mutated(make_allocation, n=-1),
+    "bad allocation status": _mutated(make_allocation, status="maybe"),
+    "group without allocation": _mutated(make_group, allocation=_DROP),
     "step as str": _mutated(make_plan, step="three"),
     "int32 array of 7 bytes": _mutated(make_sample, response_ids=b"\x01" * 7),
     "float32 array of 5 bytes": _mutated(make_sample, logprobs=b"\x00" * 5),
@@ -273,8 +313,17 @@ def test_bad_input_raises_codec_error(name: str) -> None:
 
 
 def test_wrong_schema_version_names_the_version() -> None:
-    with pytest.raises(CodecError, match="schema_version 2"):
+    with pytest.raises(CodecError, match=f"schema_version {SCHEMA_VERSION + 1}"):
         DEFAULT_CODEC.decode(BAD_INPUTS["wrong schema_version"])
+
+
+def test_old_schema_version_says_it_is_from_an_older_rolloutpipe() -> None:
+    assert SCHEMA_VERSION > 1
+    with pytest.raises(CodecError, match=r"schema_version 1 .*older RolloutPipe"):
+        DEFAULT_CODEC.decode(BAD_INPUTS["old schema_version"])
+    with pytest.raises(CodecError) as info:  # a version from the future is not called older
+        DEFAULT_CODEC.decode(BAD_INPUTS["wrong schema_version"])
+    assert "older" not in str(info.value)
 
 
 def test_packed_array_length_is_named() -> None:
@@ -399,11 +448,16 @@ def structural_mutations(draw: st.DrawFn) -> bytes:
     obj = msgpack.unpackb(draw(st.sampled_from(SEEDS)), raw=False)
     for _ in range(draw(st.integers(1, 3))):
         target = obj
-        samples, frontier = obj.get("samples"), obj.get("frontier")
+        samples, groups = obj.get("samples"), obj.get("groups")
+        frontier, allocation = obj.get("frontier"), obj.get("allocation")
         if isinstance(samples, list) and samples and draw(st.booleans()):
             target = samples[draw(st.integers(0, len(samples) - 1))]
+        elif isinstance(groups, list) and groups and draw(st.booleans()):
+            target = groups[draw(st.integers(0, len(groups) - 1))]
         elif isinstance(frontier, dict) and frontier and draw(st.booleans()):
             target = frontier
+        elif isinstance(allocation, dict) and allocation and draw(st.booleans()):
+            target = allocation
         if not isinstance(target, dict) or not target:
             break
         op = draw(st.sampled_from(["replace", "replace", "drop", "add"]))

@@ -21,7 +21,7 @@ import redis
 
 from rolloutpipe import dlq
 from rolloutpipe.broker.codec import DEFAULT_CODEC
-from rolloutpipe.broker.events import PolicyVersion, RolloutRequest, Sample, StepPlan
+from rolloutpipe.broker.events import GroupPlan, PolicyVersion, RolloutRequest, Sample, StepPlan
 from rolloutpipe.broker.streams import DATA, Broker, Entry, Keys
 from rolloutpipe.workers.aggregator import Aggregator
 from tests.conftest import EMULATED_FAST, ROOT, make_config
@@ -32,7 +32,7 @@ GARBAGE = b"\xc1\xc1 not msgpack \x00\xff"
 def _sample(run: str, step: int = 3) -> Sample:
     return Sample(
         run=run, step=step, policy_version=step, sample_id=f"{step}:0:1", request_id=f"{step}:0:1",
-        group_id=f"{step}:0", prompt_index=0, sample_index=1, group_size=4, worker="w0",
+        group_id=f"{step}:0", prompt_index=0, sample_index=1, worker="w0",
         prompt_ids=np.arange(5, dtype=np.int32), response_ids=np.arange(40, dtype=np.int32),
         logprobs=np.full(40, -0.5, dtype=np.float32), reward=1.0, admitted_at=1.0, finished_at=2.0,
     )  # fmt: skip
@@ -41,14 +41,15 @@ def _sample(run: str, step: int = 3) -> Sample:
 def _request(run: str, version: int) -> RolloutRequest:
     return RolloutRequest(
         run=run, step=version, policy_version=version, request_id=f"{version}:0:0", group_id=f"{version}:0",
-        prompt_index=0, sample_index=0, group_size=4, prompt="1+2=", answer="3", seed=1, max_new_tokens=4,
+        prompt_index=0, sample_index=0, prompt="1+2=", answer="3", seed=1, max_new_tokens=4,
         released_at=1.0,
     )  # fmt: skip
 
 
 def _plan(run: str) -> StepPlan:
-    return StepPlan(run=run, step=0, policy_version=0, mode="cgp", n_groups=4, group_size=4, minibatches=2,
-                    created_at=1.0)  # fmt: skip
+    return StepPlan(run=run, step=0, policy_version=0, policy="fifo",
+                    groups=[GroupPlan(group_id=f"0:{g}", prompt_index=g, n=4) for g in range(4)],
+                    minibatches=2, groups_per_minibatch=2, created_at=1.0)  # fmt: skip
 
 
 def _version(run: str, v: int) -> PolicyVersion:

@@ -20,7 +20,15 @@ import numpy as np
 import redis
 
 from rolloutpipe.broker.codec import DEFAULT_CODEC
-from rolloutpipe.broker.events import Group, PolicyVersion, RolloutRequest, Sample, StepMetrics, StepPlan
+from rolloutpipe.broker.events import (
+    Group,
+    GroupPlan,
+    PolicyVersion,
+    RolloutRequest,
+    Sample,
+    StepMetrics,
+    StepPlan,
+)
 from rolloutpipe.broker.streams import DATA, Keys
 from rolloutpipe.config import Config
 from rolloutpipe.runner import Cluster, RoleProc, tail
@@ -137,6 +145,7 @@ def assert_exactly_once(sr: redis.Redis, cfg: Config, metrics: list[StepMetrics]
         assert sorted(s.sample_index for s in g.samples) == list(range(G)), g.group_id
         assert sorted(s.sample_id for s in g.samples) == sorted(f"{g.group_id}:{i}" for i in range(G))
         assert all(s.group_id == g.group_id and s.step == g.step for s in g.samples)
+        assert (g.allocation.initial, g.allocation.status) == (G, "final"), g.allocation
     # per step, frontier positions 0..B-1 each once (a re-emitted or lost group would break this)
     for s in range(cc.steps):
         assert sorted(g.frontier.position for g in groups if g.step == s) == list(range(B))
@@ -152,11 +161,11 @@ def assert_exactly_once(sr: redis.Redis, cfg: Config, metrics: list[StepMetrics]
 # ------------------------------------------------------------------------- a) duplicate sample events
 
 
-def _sample(run: str, gid: str, s: int, G: int, worker: str = "test") -> Sample:
+def _sample(run: str, gid: str, s: int, worker: str = "test") -> Sample:
     now = time.time()
     return Sample(
         run=run, step=0, policy_version=0, sample_id=f"{gid}:{s}", request_id=f"{gid}:{s}", group_id=gid,
-        prompt_index=int(gid.split(":")[1]), sample_index=s, group_size=G, worker=worker,
+        prompt_index=int(gid.split(":")[1]), sample_index=s, worker=worker,
         prompt_ids=np.zeros(2, np.int32), response_ids=np.arange(3 + s, dtype=np.int32),
         logprobs=np.full(3 + s, -0.5, np.float32), reward=float(s % 2), admitted_at=now, finished_at=now,
     )  # fmt: skip
@@ -173,15 +182,16 @@ def test_duplicate_samples_never_duplicate_a_sample_or_a_group(
     cfg.dump_yaml(out / "config.yaml")
     keys = Keys(run_name)
     G = cfg.controller.group_size
-    plan = StepPlan(run=run_name, step=0, policy_version=0, mode="cgp", n_groups=3, group_size=G,
-                    minibatches=1, created_at=time.time())  # fmt: skip
+    plan = StepPlan(run=run_name, step=0, policy_version=0, policy="fifo",
+                    groups=[GroupPlan(group_id=f"0:{g}", prompt_index=g, n=G) for g in range(3)],
+                    minibatches=1, groups_per_minibatch=3, created_at=time.time())  # fmt: skip
     pv = PolicyVersion(run=run_name, step=0, policy_version=0, path="", sha256={}, published_at=time.time())
     sr.set(keys.plan(0), DEFAULT_CODEC.encode(plan))
     sr.set(keys.version, DEFAULT_CODEC.encode(pv))
 
     def send(gid: str, *idx: int, worker: str = "test") -> None:
         for s in idx:
-            sr.xadd(keys.samples, {DATA: DEFAULT_CODEC.encode(_sample(run_name, gid, s, G, worker))})
+            sr.xadd(keys.samples, {DATA: DEFAULT_CODEC.encode(_sample(run_name, gid, s, worker))})
 
     cluster = Cluster(cfg, redis_url, out)
     try:
@@ -224,6 +234,7 @@ def test_duplicate_samples_never_duplicate_a_sample_or_a_group(
             assert len({s.sample_id for s in g.samples}) == G
             assert all(s.worker == "test" for s in g.samples), "a re-sent copy replaced the first one"
             assert len(g.advantages) == G
+            assert (g.allocation.initial, g.allocation.counts, g.allocation.status) == (G, [G], "final")
         assert sorted(g.frontier.position for g in groups) == [0, 1, 2]
         assert int(sr.hget(keys.stats, "duplicate_samples") or 0) == n_dup
         assert int(sr.hget(keys.stats, "duplicate_samples:0") or 0) == n_dup

@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from rolloutpipe.broker.codec import DEFAULT_CODEC
-from rolloutpipe.broker.events import DeadLetter, FrontierStatus, Group, Sample, StepMetrics
+from rolloutpipe.broker.events import AllocationRecord, DeadLetter, FrontierStatus, Group, Sample, StepMetrics
 from rolloutpipe.broker.streams import DATA, Keys
 from rolloutpipe.errors import StaleVersionError
 from rolloutpipe.runner import run_cluster
@@ -20,7 +20,7 @@ from tests.conftest import EMULATED_FAST, make_config
 from tests.helpers import version
 
 
-def _sample(run: str, step: int, pv: int, gid: str, i: int, size: int = 4) -> Sample:
+def _sample(run: str, step: int, pv: int, gid: str, i: int) -> Sample:
     return Sample(
         run=run,
         step=step,
@@ -30,7 +30,6 @@ def _sample(run: str, step: int, pv: int, gid: str, i: int, size: int = 4) -> Sa
         group_id=gid,
         prompt_index=0,
         sample_index=i,
-        group_size=size,
         worker="injector",
         prompt_ids=np.arange(3),
         response_ids=np.arange(5),
@@ -52,6 +51,7 @@ def _group(run: str, step: int, pv: int, gid: str, sample_pv: int | None = None)
         samples=samples,
         advantages=np.asarray([-1, 1, -1, 1], np.float32),
         frontier=FrontierStatus(minibatch=0, position=0, minibatch_size=4, needed=3, total_groups=8),
+        allocation=AllocationRecord(initial=len(samples), counts=[len(samples)]),
         completed_at=time.time(),
     )
 

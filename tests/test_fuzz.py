@@ -7,9 +7,11 @@ length headers, NaN and infinities, negative sizes, packed arrays of the wrong d
 nested samples and frontiers too.  Then the same mutations go through each role's entry handler,
 the way a bad entry on its stream would reach it:
 
-* the rollout worker's ``admit`` (``requests``), the aggregator's ``on_entry`` (``samples``),
+* the rollout worker's ``admit`` (``requests``), the aggregator's ``on_entry`` (``samples``: samples
+  and allocations),
 * the trainer's group path (``_reader``'s decode, then ``train_step``'s fence) (``groups``),
-* the controller's ``audit_control`` (``control``).
+* the controller's ``audit_control`` (``control``) and one round of its ``drive`` (``feedback``:
+  group statistics to its policy).
 
 Nothing may raise, and every reject lands in ``dlq`` with a reason while ``dead_letters`` goes up
 by one: rejects == dlq entries == counter, per example and in total.  10,000 examples per role run
@@ -45,15 +47,20 @@ from hypothesis import strategies as st
 from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.events import (
     SCHEMA_VERSION,
+    Allocation,
+    AllocationRecord,
     DeadLetter,
     Event,
     FrontierStatus,
     Group,
+    GroupPlan,
+    GroupStats,
     PolicyVersion,
     RolloutRequest,
     Sample,
     StepMetrics,
     StepPlan,
+    StepSeal,
 )
 from rolloutpipe.broker.streams import DATA, Broker, Entry, connect
 from rolloutpipe.config import Config
@@ -100,7 +107,7 @@ def make_events(run: str) -> dict[str, Event]:
         n = 3 + i
         return Sample(
             run=run, step=STEP, policy_version=STEP, sample_id=f"{STEP}:0:{i}", request_id=f"{STEP}:0:{i}",
-            group_id=f"{STEP}:0", prompt_index=7, sample_index=i, group_size=4, worker="w0",
+            group_id=f"{STEP}:0", prompt_index=7, sample_index=i, worker="w0",
             prompt_ids=np.arange(4, dtype=np.int32), response_ids=np.arange(n, dtype=np.int32) + 5,
             logprobs=np.full(n, -0.5, dtype=np.float32), reward=float(i % 2), released_at=1.0,
             admitted_at=1.5, finished_at=2.0 + i,
@@ -116,7 +123,6 @@ def make_events(run: str) -> dict[str, Event]:
             group_id=f"{STEP}:0",
             prompt_index=7,
             sample_index=1,
-            group_size=4,
             prompt="3+4=",
             answer="7",
             seed=11,
@@ -135,16 +141,51 @@ def make_events(run: str) -> dict[str, Event]:
             samples=samples,
             advantages=np.array([-1, 1, -1, 1], dtype=np.float32),
             frontier=FrontierStatus(minibatch=0, position=0, minibatch_size=2, needed=1, total_groups=4),
+            allocation=AllocationRecord(initial=4, counts=[4]),
             completed_at=3.0,
         ),
+        # group 3:0 is final at 4 samples (the aggregator emits it), 3:1 is open (the policy decides)
         "plan": StepPlan(
             run=run,
             step=STEP,
             policy_version=STEP,
-            mode="cgp",
-            n_groups=4,
-            group_size=4,
+            policy="fgd",
+            groups=[
+                GroupPlan(group_id=f"{STEP}:{g}", prompt_index=7 + g, n=4, final=g != 1) for g in range(4)
+            ],
             minibatches=2,
+            groups_per_minibatch=2,
+            created_at=1.0,
+        ),
+        "allocation": Allocation(
+            run=run,
+            step=STEP,
+            policy_version=STEP,
+            group_id=f"{STEP}:1",
+            prompt_index=8,
+            n=6,
+            final=True,
+            status="final",
+            reason="extend",
+            initial=4,
+            counts=[4, 6],
+            revision=1,
+            minibatch_hint=1,
+            created_at=1.0,
+        ),
+        # more groups than the trainer's plan below: a valid seal never ends its step
+        "seal": StepSeal(run=run, step=STEP, policy_version=STEP, n_groups=4, skipped=[], created_at=1.0),
+        "group_stats": GroupStats(
+            run=run,
+            step=STEP,
+            policy_version=STEP,
+            group_id=f"{STEP}:1",
+            prompt_index=8,
+            n=4,
+            rewards=np.array([0, 1, 0, 1], dtype=np.float32),
+            lengths=np.array([3, 4, 5, 6], dtype=np.int32),
+            truncated=1,
+            emitted=False,
             created_at=1.0,
         ),
         "policy_version": PolicyVersion(
@@ -190,7 +231,8 @@ def make_events(run: str) -> dict[str, Event]:
     }
 
 
-KINDS = ("request", "sample", "group", "plan", "policy_version", "metrics", "dead_letter")
+KINDS = ("request", "sample", "group", "plan", "allocation", "seal", "group_stats", "policy_version",
+         "metrics", "dead_letter")  # fmt: skip
 FUZZ_RUN = "fuzz"
 SEEDS = {
     kind: msgpack.unpackb(DEFAULT_CODEC.encode(ev), raw=False) for kind, ev in make_events(FUZZ_RUN).items()
@@ -231,7 +273,8 @@ WRONG = [
 ]  # fmt: skip
 INT_EDGES = [0, -1, -2, -(2**31), 2**31 - 1, 2**31, -(2**63), 2**63 - 1, 2**64 - 1]
 FLOAT_EDGES = [math.nan, math.inf, -math.inf, -0.0, 1e308, -1e-320]
-ARRAY_FIELDS = {"prompt_ids": "<i4", "response_ids": "<i4", "logprobs": "<f4", "advantages": "<f4"}
+ARRAY_FIELDS = {"prompt_ids": "<i4", "response_ids": "<i4", "logprobs": "<f4", "advantages": "<f4",
+                "rewards": "<f4", "lengths": "<i4"}  # fmt: skip
 
 
 def _wrong_array(d: Draws, dtype: str, n: int) -> Any:
@@ -259,12 +302,14 @@ def _wrong_array(d: Draws, dtype: str, n: int) -> Any:
 
 
 def _targets(obj: dict[str, Any]) -> list[dict[str, Any]]:
-    """The maps a structural mutation may touch: the event, its samples, its frontier."""
+    """The maps a mutation may touch: the event, its samples or plan groups, its frontier, allocation."""
     out = [obj]
-    if isinstance(obj.get("samples"), list):
-        out += [s for s in obj["samples"] if isinstance(s, dict)]
-    if isinstance(obj.get("frontier"), dict):
-        out.append(obj["frontier"])
+    for name in ("samples", "groups"):
+        if isinstance(obj.get(name), list):
+            out += [s for s in obj[name] if isinstance(s, dict)]
+    for name in ("frontier", "allocation"):
+        if isinstance(obj.get(name), dict):
+            out.append(obj[name])
     return out
 
 
@@ -356,10 +401,12 @@ def _bytes_op(d: Draws, buf: bytearray) -> None:
         buf[i:i] = d.pick(HUGE_HEADERS)
 
 
-SEMANTIC_INTS = ("step", "policy_version", "sample_index", "group_size", "prompt_index", "n_groups",
-                 "minibatches", "minibatch", "position", "minibatch_size", "needed", "total_groups",
+SEMANTIC_INTS = ("step", "policy_version", "sample_index", "n", "completed", "initial", "revision",
+                 "prompt_index", "n_groups", "minibatches", "groups_per_minibatch", "minibatch", "position",
+                 "minibatch_size", "needed", "total_groups", "minibatch_hint", "queue_share_of", "truncated",
                  "max_new_tokens", "groups", "samples")  # fmt: skip
-SEMANTIC_STRS = ("run", "group_id", "sample_id", "request_id", "mode", "finish_reason", "worker")
+SEMANTIC_STRS = ("run", "group_id", "sample_id", "request_id", "mode", "policy", "status", "finish_reason",
+                 "worker")  # fmt: skip
 
 
 def _semantic(d: Draws, obj: dict[str, Any]) -> None:
@@ -370,11 +417,17 @@ def _semantic(d: Draws, obj: dict[str, Any]) -> None:
     ints = [k for k in SEMANTIC_INTS if isinstance(target.get(k), int) and not isinstance(target[k], bool)]
     strs = [k for k in SEMANTIC_STRS if isinstance(target.get(k), str)]
     floats = [k for k, v in target.items() if isinstance(v, float)]
-    kind = d.n(0, 2)
+    bools = [k for k, v in target.items() if isinstance(v, bool)]
+    kind = d.n(0, 3)
     if kind == 0 and ints:
         target[d.pick(ints)] = d.pick([-1, 0, 1, 2, 4, 5, 99, -(2**31), 2**62])
     elif kind == 1 and strs:
-        target[d.pick(strs)] = d.pick(["", "other", "3:1", "2:0", "sync", "x" * 300])
+        target[d.pick(strs)] = d.pick(
+            ["", "other", "3:1", "2:0", "sync", "open", "closed", "skipped", "x" * 300]
+        )
+    elif kind == 2 and bools:  # final, sealed, emitted
+        key = d.pick(bools)
+        target[key] = not target[key]
     elif floats:
         target[d.pick(floats)] = d.pick(FLOAT_EDGES)
 
@@ -476,7 +529,7 @@ class FakeRedis:
     def __init__(self) -> None:
         self.kv: dict[str, bytes] = {}
         self.streams: dict[str, list[tuple[str, dict[bytes, bytes]]]] = defaultdict(list)
-        self.hashes: dict[str, dict[str, int]] = defaultdict(dict)
+        self.hashes: dict[str, dict[str, Any]] = defaultdict(dict)
         self.sets: dict[str, set[str]] = defaultdict(set)
         self.acked: list[str] = []
         self.seq = 0
@@ -514,7 +567,18 @@ class FakeRedis:
 
     async def hget(self, key: str, field: str) -> bytes | None:
         v = self.hashes[key].get(field)
-        return None if v is None else str(v).encode()
+        return None if v is None else _bytes(v)
+
+    async def hset(
+        self, key: str, field: str | None = None, value: Any = None, mapping: dict[str, Any] | None = None
+    ) -> int:
+        new = {**({} if field is None else {field: value}), **(mapping or {})}
+        added = len(new.keys() - self.hashes[key].keys())
+        self.hashes[key].update(new)
+        return added
+
+    async def hgetall(self, key: str) -> dict[bytes, bytes]:
+        return {k.encode(): _bytes(v) for k, v in self.hashes[key].items()}
 
     async def incr(self, key: str) -> int:
         n = int(self.kv.get(key, b"0")) + 1
@@ -544,16 +608,24 @@ class FakeRedis:
         return FakePipeline(self)
 
     def register_script(self, _lua: str) -> Callable[..., Any]:
-        """The aggregator's emit script: SADD the group id, XADD the group if new, XACK its samples."""
+        """``Broker.emit_group``'s script: SADD the group id; if new, XADD the group and its stats;
+        XACK its samples.  KEYS: emitted, groups, samples, feedback.  ARGV: field, consumer group,
+        maxlen, group id, group, stats, entry ids…"""
 
         async def emit(keys: list[str], args: list[Any]) -> int:
-            new = await self.sadd(keys[0], args[0])
+            field, group = args[0], args[1]
+            new = await self.sadd(keys[0], args[3])
             if new:
-                await self.xadd(keys[1], {DATA: args[1]})
-            await self.xack(keys[2], "aggregator", *args[3:])
+                await self.xadd(keys[1], {field: args[4]})
+                await self.xadd(keys[3], {field: args[5]})
+            await self.xack(keys[2], group, *args[6:])
             return new
 
         return emit
+
+
+def _bytes(v: Any) -> bytes:
+    return v if isinstance(v, bytes) else str(v).encode()
 
 
 class FakeBroker(Broker):
@@ -648,7 +720,6 @@ class Harness:
     async def handle(self, b: Broker, entry: Entry, inbox: Callable[[Entry], None]) -> None:
         """Drive the role's own code on ``entry`` (read from its stream by ``inbox`` or ``b.read``)."""
         cfg = self.cfg
-        k = b.keys
         if self.role == "rollout":
             w = RolloutWorker(cfg, b, FakeEngine(), "w-fuzz")
             w.version = STEP
@@ -668,16 +739,30 @@ class Harness:
             t = Trainer(cfg, b, FakeBackend(), self.out)  # type: ignore[arg-type]
             inbox(entry)
             await t._reader(Countdown(1))  # type: ignore[arg-type]
-            plan = StepPlan(run=b.run, step=STEP, policy_version=STEP, mode="cgp", n_groups=2, group_size=4,
-                            minibatches=1, created_at=1.0)  # fmt: skip
-            # n_groups 2: the step never completes here, so train_step returns once the queue is drained
+            plan = StepPlan(run=b.run, step=STEP, policy_version=STEP, policy="fifo",
+                            groups=[GroupPlan(group_id=f"{STEP}:{g}", prompt_index=g, n=4) for g in range(2)],
+                            minibatches=1, groups_per_minibatch=2, created_at=1.0)  # fmt: skip
+            # 2 groups: the step never completes here, so train_step returns once the queue is drained
             assert await t.train_step(STEP, plan, Drained(t)) is None  # type: ignore[arg-type]
-        else:
-            if self.controller is None:
-                self.controller = Controller(cfg, b)
-            self.controller.b, self.controller.k = b, k
+        elif self.role == "controller":
+            ctl = self._controller(b)
             inbox(entry)
-            await self.controller.audit_control(Countdown(1))  # type: ignore[arg-type]
+            await ctl.audit_control(Countdown(1))  # type: ignore[arg-type]
+        else:  # the controller's feedback: group statistics to its policy, one round of ``drive``
+            ctl = self._controller(b)
+            plan = await b.plan(STEP)
+            assert plan is not None
+            view = ctl.view_of(plan)
+            for g in view.groups.values():
+                g.released = g.target  # every request out: the round only reads feedback and decides
+            inbox(entry)
+            await ctl.drive(STEP, plan, view, Countdown(1))  # type: ignore[arg-type]
+
+    def _controller(self, b: Broker) -> Controller:
+        if self.controller is None:
+            self.controller = Controller(self.cfg, b)  # loads the dataset: once per target
+        self.controller.b = b
+        return self.controller
 
     def check(self, target: str, entry: Entry, o: Outcome) -> None:
         c = COUNTS[target]
@@ -699,17 +784,26 @@ class Harness:
             c["counter"] += o.counter
             c["reject: " + re.split(r"[:'\d]", dl.reason)[0].strip(" -")] += 1
         else:
-            assert ev is not None and ev.kind in ROLE_KINDS[self.role], ev
+            assert ev is not None and ev.kind in ROLE_ACCEPTS[self.role], ev
             c["accepted"] += 1
 
 
-ROLES = {"rollout": "requests", "aggregator": "samples", "trainer": "groups", "controller": "control"}
-ROLE_KINDS = {
+# role (a label: the Broker's role and the dlq's) -> the stream its handler reads
+ROLES = {
+    "rollout": "requests",
+    "aggregator": "samples",
+    "trainer": "groups",
+    "controller": "control",
+    "controller-feedback": "feedback",
+}
+ROLE_KINDS = {  # the kinds whose mutations go to the role
     "rollout": ("request",),
-    "aggregator": ("sample",),
+    "aggregator": ("sample", "allocation"),
     "trainer": ("group",),
     "controller": ("plan", "policy_version", "metrics"),
+    "controller-feedback": ("group_stats",),
 }
+ROLE_ACCEPTS = {**ROLE_KINDS, "trainer": ("group", "seal")}  # the kinds a role takes when valid
 
 
 @pytest.fixture(scope="module")
@@ -782,6 +876,7 @@ def test_fuzz_role_real_redis(
         "aggregator": "aggregator",
         "trainer": "trainer",
         "controller": "controller",
+        "controller-feedback": "controller",
     }[role]
 
     async def setup() -> aioredis.Redis:
@@ -867,6 +962,24 @@ def test_a_nan_reward_is_dead_lettered_not_emitted(
     groups = [DEFAULT_CODEC.decode_as(f[DATA], Group) for _id, f in b.fake.streams[b.keys.groups]]
     assert all(np.isfinite(g.advantages).all() for g in groups), [g.advantages for g in groups]
     assert len(b.dlq()) == 1
+
+
+def test_valid_feedback_reaches_the_policy(
+    loop: asyncio.AbstractEventLoop, fuzz_cfg: tuple[Config, Path]
+) -> None:
+    """The feedback harness is not vacuous: the seed's stats complete the open group 3:1, and the
+    policy's decision on it is written (``alloc:k``) while the entry is acknowledged."""
+    cfg, out = fuzz_cfg
+    b = FakeBroker(FUZZ_RUN, "controller-feedback")
+    _setup_fake(b)
+    entry = Entry(b.keys.feedback, "7-0", {DATA: _pack(SEEDS["group_stats"])})
+    loop.run_until_complete(
+        Harness("controller-feedback", "feedback", cfg, out).handle(b, entry, b.inbox.append)
+    )
+    (raw,) = b.fake.hashes[b.keys.alloc(STEP)].values()
+    alloc = DEFAULT_CODEC.decode_as(raw, Allocation)
+    assert (alloc.group_id, alloc.final, alloc.n) == (f"{STEP}:1", True, 4)
+    assert b.dlq() == [] and entry.id in b.fake.acked
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -4,6 +4,7 @@ backpressure holds releases while the trainer lags, and a long run stays flat.""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +13,10 @@ import pytest
 import redis.asyncio as aioredis
 
 from benchmarks.memory_flatness import Sample, measure
+from rolloutpipe.broker.events import GroupPlan, RolloutRequest, StepPlan
 from rolloutpipe.broker.streams import Broker, Keys
 from rolloutpipe.broker.trim import drop_old_steps, needed_from, trim_run
-from rolloutpipe.workers.controller import Controller, build_requests
+from rolloutpipe.workers.controller import Controller
 from tests.conftest import EMULATED_FAST, make_config
 
 
@@ -50,6 +52,7 @@ async def test_trim_keeps_pending_and_undelivered_entries(ar: aioredis.Redis, ru
 
 async def test_trim_control_and_old_step_keys(ar: aioredis.Redis, run_name: str) -> None:
     k = Keys(run_name)
+    per_step = len(k.step_keys(0))
     for i in range(50):
         await ar.xadd(k.control, {"d": str(i)})
     for s in range(13):
@@ -58,14 +61,40 @@ async def test_trim_control_and_old_step_keys(ar: aioredis.Redis, run_name: str)
         await ar.sadd(k.consumed(s), "g")
         await ar.incr(k.finished(s))
         await ar.incr(k.released(s))
-        await ar.sadd(k.released(s) + ":ids", "r")
+        await ar.sadd(k.released_ids(s), "r")
+        await ar.hset(k.alloc(s), "g", b"a")
+        await ar.sadd(k.closed(s), "g")
+        assert await ar.exists(*k.step_keys(s)) == per_step  # every per-step key is made here
     res = await trim_run(ar, k, 12, keep_steps=8, control_maxlen=20)
     assert await ar.xlen(k.control) == 20 and res.trimmed["control"] == 30
-    assert res.deleted_keys == 4 * 6  # steps 0..3: six keys each
+    assert res.deleted_keys == 4 * per_step  # steps 0..3: every per-step key of each
     for s in range(13):
-        assert bool(await ar.exists(k.plan(s), k.consumed(s), k.released(s) + ":ids")) == (s >= 4)
+        assert await ar.exists(*k.step_keys(s)) == (per_step if s >= 4 else 0)
     assert await drop_old_steps(ar, k, 12, keep_steps=0) == 0  # 0: keep everything
-    assert await drop_old_steps(ar, k, 12, keep_steps=1) == 6 * 6  # steps 4..9: two steps always kept
+    assert await drop_old_steps(ar, k, 12, keep_steps=1) == 6 * per_step  # steps 4..9: two steps always kept
+    for s in range(13):
+        assert await ar.exists(*k.step_keys(s)) == (per_step if s >= 10 else 0)
+
+
+def _requests(ctl: Controller, step: int) -> list[RolloutRequest]:
+    """Every request of step ``step`` (B groups of G samples), built from a plan's view."""
+    cc = ctl.cfg.controller
+    B, G = cc.prompts_per_step, cc.group_size
+    plan = StepPlan(
+        run=ctl.b.run,
+        step=step,
+        policy_version=step,
+        policy=cc.policy,
+        groups=[GroupPlan(group_id=f"{step}:{g}", prompt_index=(step * B + g) % len(ctl.prompts), n=G)
+                for g in range(B)],
+        minibatches=cc.minibatches,
+        groups_per_minibatch=B // cc.minibatches,
+        created_at=time.time(),
+    )  # fmt: skip
+    view = ctl.view_of(plan)
+    reqs = [ctl.request(step, g, s, 0) for g in view.groups.values() for s in range(g.target)]
+    assert len(reqs) == B * G
+    return reqs
 
 
 async def test_backpressure_holds_releases_while_the_trainer_lags(
@@ -78,24 +107,26 @@ async def test_backpressure_holds_releases_while_the_trainer_lags(
     await ar.xgroup_create(k.groups, "trainer", id="0", mkstream=True)
     gids = [await ar.xadd(k.groups, {"d": b"g"}) for _ in range(10)]  # 10 groups, none consumed
     await ar.xreadgroup("trainer", "t", {k.groups: ">"}, count=4)  # 4 read (pending), 6 not yet
-    assert await ctl.trainer_lag() == 10
-    reqs = build_requests(cfg, run_name, 3, ctl.prompts)
-    task = asyncio.create_task(ctl._release(3, reqs))
+    assert await b.trainer_lag() == 10
+    reqs = _requests(ctl, 3)
+    task = asyncio.create_task(ctl.send(3, reqs))
     await asyncio.sleep(0.4)
     assert not task.done() and await ar.xlen(k.requests) == 0  # held: 10 > 8
     await ar.xack(k.groups, "trainer", gids[0])  # 9 > 8: still held
     await asyncio.sleep(0.2)
     assert not task.done() and await ar.xlen(k.requests) == 0
     await ar.xack(k.groups, "trainer", gids[1])  # 8: released
-    await asyncio.wait_for(task, 5)
+    assert await asyncio.wait_for(task, 5)
     assert await ar.xlen(k.requests) == len(reqs)
+    assert await b.released_ids(3) == {rq.request_id for rq in reqs}
     assert await b.stat("backpressure_holds") == 1
 
     ctl.stop.set()  # a stopping controller gives up waiting and releases nothing
     await ar.xadd(k.groups, {"d": b"g"})
     await ar.xadd(k.groups, {"d": b"g"})
-    await asyncio.wait_for(ctl._release(4, build_requests(cfg, run_name, 4, ctl.prompts)), 2)
+    assert not await asyncio.wait_for(ctl.send(4, _requests(ctl, 4)), 2)
     assert await ar.xlen(k.requests) == len(reqs)
+    assert await b.released_ids(4) == set()
 
 
 def test_backpressure_below_one_step_is_rejected(tmp_path: Path) -> None:

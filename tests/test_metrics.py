@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 import socket
 import threading
@@ -36,13 +37,18 @@ EXPECTED = {
 
 
 def _free_port_block(n: int) -> int:
-    """A base port with ``n`` free ports above it."""
+    """A base port with ``n`` free ports above it, below the kernel's ephemeral range.
+
+    A block picked from the ephemeral range can be taken, between this probe and the roles' own
+    bind, as the source port of any outgoing connection (the roles' Redis clients among them).
+    """
+    try:
+        lo = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        lo = 32768  # Linux's default
+    rng = random.Random()
     for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
+        base = rng.randrange(max(1024, lo // 2), lo - n)
         try:
             socks = []
             for p in range(base, base + n):

@@ -26,7 +26,7 @@ import redis
 
 from rolloutpipe import ops
 from rolloutpipe.broker.codec import DEFAULT_CODEC
-from rolloutpipe.broker.events import DeadLetter, PolicyVersion, Sample, StepPlan
+from rolloutpipe.broker.events import DeadLetter, GroupPlan, PolicyVersion, Sample, StepPlan
 from rolloutpipe.broker.streams import DATA, Keys
 from rolloutpipe.runner import Cluster, tail
 from tests.conftest import EMULATED_FAST, ROOT, make_config
@@ -45,8 +45,9 @@ class Live:
 
 
 def _plan(run: str, step: int) -> StepPlan:
-    return StepPlan(run=run, step=step, policy_version=step, mode="cgp-fgd", n_groups=8, group_size=4,
-                    minibatches=2, created_at=time.time())  # fmt: skip
+    return StepPlan(run=run, step=step, policy_version=step, policy="fgd",
+                    groups=[GroupPlan(group_id=f"{step}:{g}", prompt_index=g, n=4) for g in range(8)],
+                    minibatches=2, groups_per_minibatch=4, created_at=time.time())  # fmt: skip
 
 
 def _wait(cluster: Cluster, what: str, cond: Any, timeout: float = 60.0) -> None:
@@ -192,14 +193,15 @@ def test_status_of_a_live_run(live: Live) -> None:
     assert st["version"]["policy_version"] >= 2
     groups = {(s, g["name"]): g for s, info in st["streams"].items() for g in info["groups"]}
     assert {("requests", "rollout"), ("samples", "aggregator"), ("groups", "trainer"),
-            ("control", "controller")} <= groups.keys()  # fmt: skip
+            ("control", "controller"), ("feedback", "controller")} <= groups.keys()  # fmt: skip
     assert len(groups[("requests", "rollout")]["consumers"]) == 2
     for g in groups.values():
         assert g["pending"] >= 0 and g["lag"] is not None and g["lag"] >= 0
     assert st["streams"]["groups"]["length"] >= 16 and st["streams"]["dlq"]["length"] >= 2
     step = st["step"]
-    assert step["step"] >= st["version"]["policy_version"] - 1 and step["mode"] == "cgp-fgd"
-    assert step["groups"] == 8 and step["requests_total"] == 32
+    assert step["step"] >= st["version"]["policy_version"] - 1 and step["policy"] == "fgd"
+    assert step["groups"] == 8 and step["group_sizes"] == "G 4" and step["requests_total"] == 32
+    assert (step["groups_closed"], step["groups_skipped"], step["samples_discarded"]) == (0, 0, 0)
     assert st["stats"]["total"]["dead_letters"] >= 2
     assert ops.health(st) == (0, ops.health(st)[1]) and ops.health(st)[1].startswith("ok: 2 live")
     text = ops.render_status(st)
@@ -289,6 +291,8 @@ def test_status_pins_lag_pending_frontier_and_health(sr: redis.Redis, redis_url:
     s = st["step"]
     assert (s["step"], s["state"], s["groups_emitted"], s["samples_finished"]) == (3, "rolling out", 5, 21)
     assert (s["frontier_minibatch"], s["frontier_needs"]) == (1, 3)  # 4 groups per mini-batch, 5 emitted
+    assert (s["policy"], s["group_sizes"], s["groups"]) == ("fgd", "G 4", 8)
+    assert (s["requests_released"], s["requests_total"]) == (32, 32)
     assert st["stats"] == {"total": {"dead_letters": 3, "fence_rejections": 2}, "step": {"dead_letters": 1}}
     assert "frontier        mini-batch 2/2 needs 3 more groups\n" in ops.render_status(st)
 

@@ -24,8 +24,10 @@ import redis
 
 from rolloutpipe.broker.codec import iter_events
 from rolloutpipe.broker.events import (
+    AllocationRecord,
     FrontierStatus,
     Group,
+    GroupPlan,
     PolicyVersion,
     RolloutRequest,
     Sample,
@@ -61,7 +63,6 @@ def make_group(run: str, step: int, g: int, seed: int = 0) -> Group:
                 group_id=f"{step}:{g}",
                 prompt_index=g,
                 sample_index=s,
-                group_size=G,
                 worker="test",
                 prompt_ids=rng.integers(1, 12, 4).astype(np.int32),
                 response_ids=rng.integers(1, 12, n).astype(np.int32),
@@ -75,6 +76,7 @@ def make_group(run: str, step: int, g: int, seed: int = 0) -> Group:
         run=run, step=step, policy_version=step, group_id=f"{step}:{g}", prompt_index=g, samples=samples,
         advantages=np.asarray([1.0 if s % 2 else -1.0 for s in range(G)], np.float32), completed_at=now,
         frontier=FrontierStatus(minibatch=g // 2, position=g, minibatch_size=2, needed=0, total_groups=B),
+        allocation=AllocationRecord(initial=G, counts=[G]),
     )  # fmt: skip
 
 
@@ -174,8 +176,9 @@ def _trainer_cfg(tmp_path: Path, run: str) -> Config:
 
 
 async def _setup_step(broker: Broker, cfg: Config, step: int) -> None:
-    plan = StepPlan(run=broker.run, step=step, policy_version=step, mode="cgp", n_groups=B, group_size=G,
-                    minibatches=2, created_at=time.time())  # fmt: skip
+    plan = StepPlan(run=broker.run, step=step, policy_version=step, policy="fifo",
+                    groups=[GroupPlan(group_id=f"{step}:{g}", prompt_index=g, n=G) for g in range(B)],
+                    minibatches=2, groups_per_minibatch=B // 2, created_at=time.time())  # fmt: skip
     await broker.r.set(broker.keys.plan(step), broker.encode(plan))
     for g in range(B):
         await broker.r.xadd(broker.keys.groups, {DATA: broker.encode(make_group(broker.run, step, g))})

@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from rolloutpipe.broker.codec import DEFAULT_CODEC, iter_events
-from rolloutpipe.broker.events import Group, StepPlan
+from rolloutpipe.broker.events import Group, GroupPlan, StepPlan
 from rolloutpipe.broker.streams import DATA, Keys
 from rolloutpipe.config import Config
 from rolloutpipe.runner import Cluster, run_cluster
@@ -70,7 +70,8 @@ def test_cgp_equals_sync_on_same_minibatches(
     sync_cfg = cfg.model_copy(deep=True)
     sync_cfg.run = "samemaths-sync"
     sync_cfg.out = str(tmp_path / "sync")
-    sync_cfg.controller.mode = "sync"
+    sync_cfg.trainer.schedule, sync_cfg.controller.policy = "barrier", "fifo"  # the "sync" preset
+    assert sync_cfg.mode == "sync"
     sync_out = Path(sync_cfg.out)
     sync_out.mkdir(parents=True)
     keys = Keys(sync_cfg.run)
@@ -80,14 +81,18 @@ def test_cgp_equals_sync_on_same_minibatches(
         cluster.spawn("trainer", "trainer", ["--out", str(sync_out)])
         for step, m in enumerate(cgp_metrics):
             wait_version(r, sync_cfg.run, step, cluster)
+            gids = [gid for mb in m.minibatches for gid in mb]
+            assert len(gids) == 8
             plan = StepPlan(
                 run=sync_cfg.run,
                 step=step,
                 policy_version=step,
-                mode="sync",
-                n_groups=8,
-                group_size=8,
+                policy="fifo",
+                groups=[
+                    GroupPlan(group_id=gid, prompt_index=recorded[gid].prompt_index, n=8) for gid in gids
+                ],
                 minibatches=4,
+                groups_per_minibatch=2,
                 created_at=time.time(),
             )
             r.set(keys.plan(step), DEFAULT_CODEC.encode(plan))

@@ -13,7 +13,7 @@ from redis.exceptions import ResponseError
 
 from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.embedded import EmbeddedRedis, find_redis_server, ping
-from rolloutpipe.broker.events import DeadLetter, PolicyVersion, StepPlan
+from rolloutpipe.broker.events import DeadLetter, GroupPlan, PolicyVersion, StepPlan
 from rolloutpipe.broker.streams import DATA, Broker, Entry
 from rolloutpipe.errors import EmbeddedRedisError
 
@@ -21,8 +21,9 @@ GROUP = "g"
 
 
 def plan(run: str, step: int = 0) -> StepPlan:
-    return StepPlan(run=run, step=step, policy_version=step, mode="cgp", n_groups=4, group_size=2,
-                    minibatches=2, created_at=time.time())  # fmt: skip
+    return StepPlan(run=run, step=step, policy_version=step, policy="fifo",
+                    groups=[GroupPlan(group_id=f"{step}:{g}", prompt_index=g, n=2) for g in range(4)],
+                    minibatches=2, groups_per_minibatch=2, created_at=time.time())  # fmt: skip
 
 
 async def pending_ids(r: aioredis.Redis, stream: str, group: str) -> dict[str, str]:

@@ -59,7 +59,6 @@ def _req(run: str, step: int, i: int) -> RolloutRequest:
         group_id=f"s{step}-g0",
         prompt_index=0,
         sample_index=i,
-        group_size=2,
         prompt="1+1=",
         answer="2",
         seed=i,

@@ -5,11 +5,13 @@ users and fresh random passwords, and ``docker-compose.yml`` spells the same rul
 ``redis`` command (``tests/test_compose.py`` checks that the two agree).  ``~`` is read and write,
 ``%R~`` read only; ``rp:*:`` matches every run's ``rp:{run}:`` namespace.
 
-* ``controller`` writes ``requests``, plans and its release records; it also trims the streams and
-  old steps' keys (``XTRIM``/``DEL``) and audits ``control`` with a consumer group.
-* ``rollout`` writes ``samples`` and its heartbeats, reads ``version``; it cannot write
-  ``groups``, ``control`` or ``version``.
-* ``aggregator`` writes ``groups``; ``trainer`` writes ``version``, ``control`` and ``consumed``.
+* ``controller`` writes ``requests``, plans, allocations (``alloc``, ``closed``, on ``samples``),
+  step seals (on ``groups``), its release records and the prompt history; it reads ``feedback``,
+  trims the streams and old steps' keys (``XTRIM``/``DEL``) and audits ``control``.
+* ``rollout`` writes ``samples`` and its heartbeats, reads ``version`` and ``closed``; it cannot
+  write ``groups``, ``control`` or ``version``.
+* ``aggregator`` writes ``groups`` and ``feedback``, reads ``alloc``; ``trainer`` writes
+  ``version``, ``control`` and ``consumed``.
 * ``observer`` only reads (``tail``, ``status``, healthchecks).
 """
 
@@ -24,28 +26,32 @@ ROLE_RULES: dict[str, list[str]] = {
     "controller": [
         "~rp:*:requests", "~rp:*:control", "~rp:*:dlq", "~rp:*:stats", "~rp:*:plan:*",
         "~rp:*:released:*", "~rp:*:done", "~rp:*:samples", "~rp:*:groups", "~rp:*:finished:*",
-        "~rp:*:emitted:*", "~rp:*:consumed:*", "%R~rp:*:version", "%R~rp:*:worker:*",
-        "-@all", "+@connection", *_TX, "+xadd", *_STREAM_CONSUMER, "+xrange", "+xrevrange",
-        "+get", "+set", "+exists", "+incrby", "+hincrby", "+hget", "+scard", "+scan", "+sadd",
-        "+smembers", "+sismember", "+xtrim", "+xinfo|groups", "+xpending", "+xlen", "+del",
+        "~rp:*:emitted:*", "~rp:*:consumed:*", "~rp:*:feedback", "~rp:*:alloc:*", "~rp:*:closed:*",
+        "~rp:*:prompt_history", "%R~rp:*:version", "%R~rp:*:worker:*",
+        "-@all", "+@connection", *_TX, "+xadd", *_STREAM_CONSUMER, "+xrange", "+xrevrange", "+xread",
+        "+get", "+set", "+exists", "+incrby", "+hincrby", "+hget", "+hset", "+hgetall", "+scard",
+        "+scan", "+sadd", "+smembers", "+sismember", "+xtrim", "+xinfo|groups", "+xpending", "+xlen",
+        "+del",
     ],
     "rollout": [
         "~rp:*:requests", "~rp:*:samples", "~rp:*:dlq", "~rp:*:stats", "~rp:*:finished:*",
         "~rp:*:worker:*", "%R~rp:*:version", "%R~rp:*:control", "%R~rp:*:plan:*", "%R~rp:*:done",
-        "-@all", "+@connection", *_TX, "+xadd", *_STREAM_CONSUMER, "+xclaim", "+get", "+set",
-        "+del", "+exists", "+incr", "+incrby", "+hincrby", "+hget", "+scan",
+        "%R~rp:*:closed:*",
+        "-@all", "+@connection", *_TX, "+xadd", *_STREAM_CONSUMER, "+xclaim", "+xread", "+xrevrange",
+        "+get", "+set", "+del", "+exists", "+incr", "+incrby", "+hincrby", "+hget", "+scan", "+smembers",
     ],
     "aggregator": [
         "~rp:*:samples", "~rp:*:groups", "~rp:*:dlq", "~rp:*:stats", "~rp:*:emitted:*",
-        "%R~rp:*:version", "%R~rp:*:plan:*", "%R~rp:*:done",
+        "~rp:*:feedback", "%R~rp:*:version", "%R~rp:*:plan:*", "%R~rp:*:done", "%R~rp:*:alloc:*",
         "-@all", "+@connection", *_TX, "+xadd", *_STREAM_CONSUMER, "+evalsha", "+eval",
         "+script|load", "+get", "+exists", "+sadd", "+sismember", "+scard", "+hincrby", "+hget",
+        "+hgetall",
     ],
     "trainer": [
         "~rp:*:groups", "~rp:*:control", "~rp:*:version", "~rp:*:dlq", "~rp:*:stats",
         "~rp:*:consumed:*", "%R~rp:*:plan:*", "%R~rp:*:done",
-        "-@all", "+@connection", *_TX, "+xadd", "+xreadgroup", "+xack", "+xgroup|create", "+get",
-        "+set", "+exists", "+sadd", "+smembers", "+hincrby", "+hget",
+        "-@all", "+@connection", *_TX, "+xadd", "+xreadgroup", "+xack", "+xgroup|create", "+xread",
+        "+xrevrange", "+get", "+set", "+exists", "+sadd", "+smembers", "+hincrby", "+hget",
     ],
     "observer": [
         "%R~rp:*", "-@all", "+@connection", *_TX, "+@read", "-@dangerous", "+xinfo|groups",

@@ -46,6 +46,11 @@ class MsgpackCodec:
         kind = obj.get("kind")
         version = obj.get("schema_version")
         if version != SCHEMA_VERSION:
+            if isinstance(version, int) and 0 < version < SCHEMA_VERSION:
+                raise CodecError(
+                    f"schema_version {version} (kind {kind!r}) is from an older RolloutPipe; this one "
+                    f"speaks {SCHEMA_VERSION}: run every role of a run at one version (start a new run)"
+                )
             raise CodecError(f"unsupported schema_version {version!r} (kind {kind!r})")
         try:
             event: Event = _ADAPTER.validate_python(obj)

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, model_validator
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: per-group sample counts (GroupPlan, Allocation, StepSeal, GroupStats); no mode
 
 
 def _packer(dtype: str) -> tuple[BeforeValidator, PlainSerializer]:
@@ -66,13 +66,15 @@ class RolloutRequest(Event):
     group_id: str
     prompt_index: int
     sample_index: int
-    group_size: int
     prompt: str
     answer: str
     seed: int
     max_new_tokens: int
     temperature: float = 1.0
     minibatch_hint: int = 0
+    # The step's request count when the policy releases the whole step at once (FIFO): an engine
+    # may then queue its share of it.  0: admit only into free slots (the policy orders admission).
+    queue_share_of: int = 0
     released_at: float
 
 
@@ -85,7 +87,6 @@ class Sample(Event):
     group_id: str
     prompt_index: int
     sample_index: int
-    group_size: int
     worker: str
     prompt_ids: Int32Array
     response_ids: Int32Array
@@ -93,6 +94,7 @@ class Sample(Event):
     # finite and bounded: a NaN or huge reward would turn the group's advantages into NaN
     reward: float = Field(allow_inf_nan=False, ge=-1e6, le=1e6)
     finish_reason: str = "stop"
+    temperature: float = 1.0  # the sampling temperature the logprobs are taken at (the trainer's too)
     released_at: float = 0.0  # when the controller released the request (admission latency)
     admitted_at: float
     finished_at: float
@@ -116,8 +118,22 @@ class FrontierStatus(BaseModel):
     total_groups: int
 
 
+AllocStatus = Literal["open", "final", "closed", "skipped"]
+
+
+class AllocationRecord(BaseModel):
+    """How a group came to its final count: planned, extended, closed early, and why."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    initial: int  # samples planned for the group at plan time
+    counts: list[int] = Field(default_factory=list)  # the count after each decision, in order
+    status: AllocStatus = "final"
+    reason: str = ""
+
+
 class Group(Event):
-    """A complete group: all samples of one prompt, with group-relative advantages."""
+    """A complete group: the samples of one prompt its allocation kept, with group-relative advantages."""
 
     kind: Literal["group"] = "group"
     group_id: str
@@ -125,6 +141,7 @@ class Group(Event):
     samples: list[Sample]
     advantages: Float32Array
     frontier: FrontierStatus
+    allocation: AllocationRecord
     completed_at: float
 
     @model_validator(mode="after")
@@ -138,19 +155,93 @@ class Group(Event):
         return self
 
 
+class GroupPlan(BaseModel):
+    """One group of a step: its prompt and the samples allocated to it when the step was planned."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    group_id: str
+    prompt_index: int
+    n: int = Field(ge=1)
+    # True: the count will not change (the aggregator emits the group at ``n`` samples).  False:
+    # the policy may extend, close or skip it, and an ``Allocation`` will say when it is final.
+    final: bool = True
+
+
 class StepPlan(Event):
-    """What step ``step`` will roll out and how it is cut into mini-batches."""
+    """What step ``step`` rolls out (groups, their counts) and how it is cut into mini-batches."""
 
     kind: Literal["plan"] = "plan"
-    mode: Literal["sync", "cgp", "cgp-fgd"]
-    n_groups: int
-    group_size: int
-    minibatches: int
+    policy: str  # the controller's policy (name or dotted path), for the record
+    groups: list[GroupPlan]
+    minibatches: int = Field(ge=1)
+    groups_per_minibatch: int = Field(ge=1)
+    # True: no group will be added or skipped, so the trainer expects exactly ``len(groups)``.
+    # False: the trainer learns the step's group count from a ``StepSeal`` on ``groups``.
+    sealed: bool = True
     created_at: float
 
     @property
-    def groups_per_minibatch(self) -> int:
-        return self.n_groups // self.minibatches
+    def n_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def n_requests(self) -> int:
+        return sum(g.n for g in self.groups)
+
+
+class Allocation(Event):
+    """The controller's decision on one group after the plan: its count now, and whether it is final.
+
+    Written to the ``alloc:k`` hash (the record) and to ``samples`` (the aggregator's news) in one
+    MULTI.  ``revision`` orders the decisions on one group; older ones are ignored.
+    """
+
+    kind: Literal["allocation"] = "allocation"
+    group_id: str
+    prompt_index: int
+    n: int = Field(ge=0)  # samples 0..n-1 belong to the group
+    completed: int = Field(default=0, ge=0)  # samples 0..completed-1 were complete at the decision
+    final: bool
+    status: AllocStatus
+    reason: str = ""
+    initial: int
+    counts: list[int] = Field(default_factory=list)
+    revision: int = Field(ge=1)
+    minibatch_hint: int = 0
+    created_at: float
+
+    def record(self) -> AllocationRecord:
+        return AllocationRecord(
+            initial=self.initial, counts=self.counts, status=self.status, reason=self.reason
+        )
+
+
+class StepSeal(Event):
+    """The number of groups the trainer gets in a step whose plan was not sealed (skips, refills)."""
+
+    kind: Literal["seal"] = "seal"
+    n_groups: int = Field(ge=0)
+    skipped: list[str] = Field(default_factory=list)
+    created_at: float
+
+
+class GroupStats(Event):
+    """Feedback, aggregator -> controller: samples 0..n-1 of a group are complete.
+
+    ``emitted``: the group went to the trainer with these samples.  Otherwise the controller's
+    policy decides (extend, close, skip, or finalize).
+    """
+
+    kind: Literal["group_stats"] = "group_stats"
+    group_id: str
+    prompt_index: int
+    n: int
+    rewards: Float32Array
+    lengths: Int32Array
+    truncated: int
+    emitted: bool
+    created_at: float
 
 
 class PolicyVersion(Event):
@@ -166,7 +257,7 @@ class StepMetrics(Event):
     """Observed per-step measurements, written by the trainer."""
 
     kind: Literal["metrics"] = "metrics"
-    mode: str
+    mode: str  # the preset's name (sync, cgp, cgp-fgd) or ``schedule/policy``
     rollout_to_train_end_s: float
     trainer_wait_ratio: float
     first_group_s: float
@@ -201,6 +292,15 @@ class DeadLetter(Event):
 
 
 AnyEvent = Annotated[
-    RolloutRequest | Sample | Group | StepPlan | PolicyVersion | StepMetrics | DeadLetter,
+    RolloutRequest
+    | Sample
+    | Group
+    | StepPlan
+    | Allocation
+    | StepSeal
+    | GroupStats
+    | PolicyVersion
+    | StepMetrics
+    | DeadLetter,
     Field(discriminator="kind"),
 ]

@@ -11,8 +11,12 @@ Every key of a run lives under ``rp:{run}:``.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import logging
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -27,13 +31,64 @@ from redis.retry import Retry as SyncRetry
 
 from rolloutpipe import metrics
 from rolloutpipe.broker.codec import DEFAULT_CODEC, MsgpackCodec
-from rolloutpipe.broker.events import DeadLetter, Event
+from rolloutpipe.broker.events import (
+    Allocation,
+    DeadLetter,
+    Event,
+    Group,
+    GroupStats,
+    PolicyVersion,
+    RolloutRequest,
+    Sample,
+    StepMetrics,
+    StepPlan,
+    StepSeal,
+)
 from rolloutpipe.errors import CodecError
 
 log = logging.getLogger("rolloutpipe.broker")
 
 E = TypeVar("E", bound=Event)
+T = TypeVar("T")
 DATA = b"d"
+
+
+class Groups:
+    """Consumer-group names: the role that must acknowledge each stream's entries."""
+
+    ROLLOUT = "rollout"  # requests
+    AGGREGATOR = "aggregator"  # samples (and allocations)
+    TRAINER = "trainer"  # groups (and seals)
+    CONTROLLER = "controller"  # control (audit) and feedback
+
+
+# KEYS: emitted set, groups stream, samples stream, feedback stream.
+# ARGV: data field, aggregator group, maxlen, group id, group payload, feedback payload, entry ids...
+# The group goes out, its feedback with it, and its samples (and allocations) are acknowledged in one
+# script, only if the group id is new: a crash between any two of these cannot happen.
+EMIT_LUA = """
+local new = redis.call('SADD', KEYS[1], ARGV[4])
+if new == 1 then
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', ARGV[1], ARGV[5])
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[3], '*', ARGV[1], ARGV[6])
+end
+for i = 7, #ARGV do
+  redis.call('XACK', KEYS[3], ARGV[2], ARGV[i])
+end
+return new
+"""
+
+
+def lag_of(groups_info: Any, group: str) -> int | None:
+    """Entries a consumer group has not acknowledged (undelivered + pending), from ``XINFO GROUPS``.
+
+    None when the group does not exist or Redis cannot tell the lag (entries deleted mid-stream).
+    """
+    for g in groups_info or []:
+        if _s(g["name"]) == group:
+            lag = g.get("lag")
+            return None if lag is None else int(lag) + int(g["pending"])
+    return None
 
 
 class Keys:
@@ -48,9 +103,12 @@ class Keys:
         self.groups = p + "groups"
         self.control = p + "control"
         self.dlq = p + "dlq"
+        self.dlq_replayed = p + "dlq:replayed"  # dead-letter id -> where ``rolloutpipe dlq replay`` put it
         self.version = p + "version"
+        self.feedback = p + "feedback"  # GroupStats: aggregator -> controller
         self.stats = p + "stats"
         self.done = p + "done"
+        self.prompt_history = p + "prompt_history"  # prompt index -> recent PromptRecords (JSON)
 
     def plan(self, step: int) -> str:
         return f"{self.prefix}plan:{step}"
@@ -68,6 +126,23 @@ class Keys:
 
     def consumed(self, step: int) -> str:
         return f"{self.prefix}consumed:{step}"
+
+    def released_ids(self, step: int) -> str:
+        """Set of the request ids of a step already on ``requests`` (the controller's restart record)."""
+        return f"{self.prefix}released:{step}:ids"
+
+    def alloc(self, step: int) -> str:
+        """Hash group id -> the latest ``Allocation`` of a group that was not final at plan time."""
+        return f"{self.prefix}alloc:{step}"
+
+    def closed(self, step: int) -> str:
+        """Set of group ids closed or skipped: their outstanding requests are aborted."""
+        return f"{self.prefix}closed:{step}"
+
+    def step_keys(self, step: int) -> list[str]:
+        """Every per-step key (trimmed once the step is old)."""
+        return [self.plan(step), self.emitted(step), self.released(step), self.released_ids(step),
+                self.finished(step), self.consumed(step), self.alloc(step), self.closed(step)]  # fmt: skip
 
     def heartbeat(self, worker: str) -> str:
         return f"{self.prefix}worker:{worker}"
@@ -144,6 +219,7 @@ class Broker:
         self.role = role
         self.maxlen = maxlen
         self.codec = codec or DEFAULT_CODEC
+        self._emit: Any = None  # the EMIT_LUA script, registered on first use
 
     async def ensure_group(self, stream: str, group: str, start: str = "0") -> None:
         try:
@@ -291,6 +367,235 @@ class Broker:
         if raw is None:
             return None
         return self.codec.decode_as(raw, cls)
+
+    # ------------------------------------------------------------------ typed operations of the roles
+
+    async def version(self) -> PolicyVersion | None:
+        return await self.get_event(self.keys.version, PolicyVersion)
+
+    async def version_number(self) -> int:
+        pv = await self.version()
+        return -1 if pv is None else pv.policy_version
+
+    async def control_tail(self) -> str:
+        """The id of the newest ``control`` entry ("0-0" if none): news after it is new."""
+        last: Any = await self.r.xrevrange(self.keys.control, count=1)
+        return _s(last[0][0]) if last else "0-0"
+
+    async def wait_control(
+        self, check: Callable[[], Awaitable[T | None]], stop: asyncio.Event, *, block_ms: int = 1000
+    ) -> T | None:
+        """Wait until ``check()`` returns something, waking on each new ``control`` entry.
+
+        Versions and plans are announced on ``control``, so a waiter blocks there (XREAD BLOCK)
+        instead of polling their keys.  The tail id is read before ``check`` so that news written in
+        between is seen; ``block_ms`` bounds the wait for a writer that announces nothing.
+        """
+        while not stop.is_set():
+            last = await self.control_tail()
+            got = await check()
+            if got is not None:
+                return got
+            if await self.is_done():
+                return None
+            await self.r.xread({self.keys.control: last}, count=1, block=block_ms)
+        return None
+
+    async def wait_version(self, v: int, stop: asyncio.Event) -> PolicyVersion | None:
+        """The published version once it is >= ``v`` (None if stopped or the run is done)."""
+
+        async def at_least() -> PolicyVersion | None:
+            pv = await self.version()
+            return pv if pv is not None and pv.policy_version >= v else None
+
+        return await self.wait_control(at_least, stop)
+
+    async def plan(self, step: int) -> StepPlan | None:
+        return await self.get_event(self.keys.plan(step), StepPlan)
+
+    async def wait_plan(self, step: int, stop: asyncio.Event) -> StepPlan | None:
+        return await self.wait_control(lambda: self.plan(step), stop)
+
+    async def write_plan(self, plan: StepPlan) -> None:
+        """The plan key and its announcement on ``control``, together."""
+        raw = self.encode(plan)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.set(self.keys.plan(plan.step), raw)
+        pipe.xadd(self.keys.control, {DATA: raw}, maxlen=self.maxlen, approximate=True)
+        await pipe.execute()
+
+    async def publish_version(self, pv: PolicyVersion, metrics_ev: StepMetrics | None) -> None:
+        """One MULTI: the previous step's metrics, the version key and its announcement."""
+        raw = self.encode(pv)
+        pipe = self.r.pipeline(transaction=True)
+        if metrics_ev is not None:
+            pipe.xadd(
+                self.keys.control, {DATA: self.encode(metrics_ev)}, maxlen=self.maxlen, approximate=True
+            )
+        pipe.set(self.keys.version, raw)
+        pipe.xadd(self.keys.control, {DATA: raw}, maxlen=self.maxlen, approximate=True)
+        await pipe.execute()
+
+    async def step_metrics(self, step: int, look_back: int = 64) -> StepMetrics | None:
+        """The trainer's metrics of ``step``, from the newest ``control`` entries."""
+        if step < 0:
+            return None
+        entries: Any = await self.r.xrevrange(self.keys.control, count=look_back)
+        for _id, fields in entries or []:
+            try:
+                ev = self.codec.decode((fields or {}).get(DATA, b""))
+            except CodecError:
+                continue
+            if isinstance(ev, StepMetrics) and ev.step == step:
+                return ev
+        return None
+
+    async def mark_done(self) -> None:
+        await self.r.set(self.keys.done, b"1")
+
+    async def is_done(self) -> bool:
+        return bool(await self.r.exists(self.keys.done))
+
+    async def release(self, step: int, reqs: Sequence[RolloutRequest]) -> None:
+        """Requests onto ``requests`` and recorded as released (counter and id set), or neither."""
+        if not reqs:
+            return
+        pipe = self.r.pipeline(transaction=True)
+        for rq in reqs:
+            pipe.xadd(self.keys.requests, {DATA: self.encode(rq)}, maxlen=self.maxlen, approximate=True)
+        pipe.incrby(self.keys.released(step), len(reqs))
+        pipe.sadd(self.keys.released_ids(step), *(rq.request_id for rq in reqs))
+        await pipe.execute()
+
+    async def released_ids(self, step: int) -> set[str]:
+        return {_s(x) for x in await self.r.smembers(self.keys.released_ids(step))}
+
+    async def finished(self, step: int) -> int:
+        """Requests of ``step`` whose sample was published (the workers' counter)."""
+        return int(await self.r.get(self.keys.finished(step)) or 0)
+
+    async def publish_sample(self, sample: Sample, request_entry: str) -> None:
+        """The sample out and its request acknowledged and counted, in one MULTI."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xadd(self.keys.samples, {DATA: self.encode(sample)}, maxlen=self.maxlen, approximate=True)
+        pipe.xack(self.keys.requests, Groups.ROLLOUT, request_entry)
+        pipe.incr(self.keys.finished(sample.step))
+        await pipe.execute()
+
+    async def write_allocation(self, alloc: Allocation) -> None:
+        """The decision on record (``alloc:k``), its news to the aggregator, and a close mark, together."""
+        raw = self.encode(alloc)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(self.keys.alloc(alloc.step), alloc.group_id, raw)
+        pipe.xadd(self.keys.samples, {DATA: raw}, maxlen=self.maxlen, approximate=True)
+        if alloc.status in ("closed", "skipped"):
+            pipe.sadd(self.keys.closed(alloc.step), alloc.group_id)
+        await pipe.execute()
+
+    async def allocations(self, step: int) -> dict[str, Allocation]:
+        raw: Any = await self.r.hgetall(self.keys.alloc(step))
+        return {_s(k): self.codec.decode_as(v, Allocation) for k, v in (raw or {}).items()}
+
+    async def closed_groups(self, step: int) -> set[str]:
+        """Group ids of ``step`` that were closed or skipped."""
+        return {_s(x) for x in await self.r.smembers(self.keys.closed(step))}
+
+    async def seal(self, seal: StepSeal) -> None:
+        await self.publish(self.keys.groups, seal)
+
+    async def emitted_count(self, step: int) -> int:
+        return int(await self.r.scard(self.keys.emitted(step)))
+
+    async def emitted_ids(self, step: int) -> set[str]:
+        return {_s(x) for x in await self.r.smembers(self.keys.emitted(step))}
+
+    async def is_emitted(self, step: int, group_id: str) -> bool:
+        return bool(await self.r.sismember(self.keys.emitted(step), group_id))
+
+    async def emit_group(self, group: Group, stats: GroupStats, entry_ids: Sequence[str]) -> bool:
+        """Group to the trainer, its stats to the controller, its entries acknowledged: atomically.
+
+        False when the group was emitted before (a duplicate); its entries are acknowledged anyway.
+        """
+        if self._emit is None:
+            self._emit = self.r.register_script(EMIT_LUA)
+        k = self.keys
+        new = await self._emit(
+            keys=[k.emitted(group.step), k.groups, k.samples, k.feedback],
+            args=[DATA, Groups.AGGREGATOR, self.maxlen, group.group_id, self.encode(group),
+                  self.encode(stats), *entry_ids],
+        )  # fmt: skip
+        return int(new) == 1
+
+    async def consumed(self, step: int) -> set[str]:
+        return {_s(m) for m in await self.r.smembers(self.keys.consumed(step))}
+
+    async def commit_consumed(self, step: int, group_ids: Sequence[str], entry_ids: Sequence[str]) -> None:
+        """The step's groups recorded as consumed and their entries acknowledged, together."""
+        pipe = self.r.pipeline(transaction=True)
+        if group_ids:
+            pipe.sadd(self.keys.consumed(step), *group_ids)
+        if entry_ids:
+            pipe.xack(self.keys.groups, Groups.TRAINER, *entry_ids)
+        await pipe.execute()
+
+    async def trainer_lag(self) -> int:
+        """Groups in ``groups`` the trainer has not acknowledged: undelivered (lag) + pending."""
+        try:
+            info: Any = await self.r.xinfo_groups(self.keys.groups)
+        except ResponseError:  # no stream yet
+            return 0
+        names = {_s(g["name"]) for g in info}
+        if Groups.TRAINER not in names:
+            return int(await self.r.xlen(self.keys.groups))  # no trainer group yet: nothing consumed
+        lag = lag_of(info, Groups.TRAINER)
+        if lag is None:  # Redis cannot tell (entries deleted mid-stream): count them
+            g = next(g for g in info if _s(g["name"]) == Groups.TRAINER)
+            after: Any = await self.r.xrange(self.keys.groups, min="(" + _s(g["last-delivered-id"]), max="+")
+            lag = len(after) + int(g["pending"])
+        return lag
+
+    async def heartbeat(self, worker: str, info: dict[str, Any], ttl_s: int) -> None:
+        await self.r.set(self.keys.heartbeat(worker), json.dumps(info).encode(), ex=ttl_s)
+
+    async def drop_heartbeat(self, worker: str) -> None:
+        await self.r.delete(self.keys.heartbeat(worker))
+
+    async def live_workers(self) -> list[dict[str, Any]]:
+        """The heartbeat records of live workers (their keys expire with the worker)."""
+        out = []
+        async for key in self.r.scan_iter(match=self.keys.heartbeat_pattern(), count=100):
+            raw = await self.r.get(key)
+            if raw:
+                with contextlib.suppress(ValueError):
+                    out.append(json.loads(raw))
+        return out
+
+    async def capacity(self) -> int:
+        """Sum of live workers' engine slots."""
+        total = 0
+        for w in await self.live_workers():
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                total += int(w["capacity"])
+        return total
+
+    async def read_feedback(
+        self, consumer: str, *, block_ms: int, count: int = 256, start: str = ">"
+    ) -> list[Entry]:
+        return await self.read(
+            self.keys.feedback, Groups.CONTROLLER, consumer, count=count, block_ms=block_ms, start=start
+        )
+
+    async def prompt_history(self) -> dict[int, list[list[Any]]]:
+        raw: Any = await self.r.hgetall(self.keys.prompt_history)
+        return {int(_s(k)): json.loads(v) for k, v in (raw or {}).items()}
+
+    async def save_prompt_history(self, records: dict[int, list[tuple[Any, ...]]]) -> None:
+        """Each prompt's records, replaced (a prompt's list is as long as its policy keeps)."""
+        if records:
+            await self.r.hset(
+                self.keys.prompt_history, mapping={str(k): json.dumps(v) for k, v in records.items()}
+            )
 
 
 def _s(v: Any) -> str:

@@ -6,7 +6,9 @@
   downstream group does not exist yet is left alone (the group may still be created at id 0).
 * ``control`` is cut to its last ``redis.control_maxlen`` entries (``MAXLEN``, exact); ``dlq``
   keeps the ``redis.maxlen`` of every ``XADD``.
-* Per-step keys (``plan``, ``emitted``, ``released`` (and ``:ids``), ``finished``, ``consumed``) older
+* ``feedback`` (group statistics for the controller) is trimmed the same way.
+* Per-step keys (``Keys.step_keys``: plan, emitted, released and its ids, finished, consumed, alloc,
+  closed) older
   than the last ``redis.keep_steps`` are deleted.  Every role reads these keys only for the step
   under way (the trainer's exactly-once check reads ``consumed:k`` of its current step; the
   aggregator's ``emitted:k`` and ``plan:k`` of the sample's step, and a sample of a step that old is
@@ -25,14 +27,17 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from rolloutpipe.broker.streams import Keys
+from rolloutpipe.broker.streams import Groups, Keys
 
 log = logging.getLogger("rolloutpipe.broker")
 
 # stream attribute of Keys -> the consumer group that must have acknowledged an entry before it goes
-DOWNSTREAM = {"requests": "rollout", "samples": "aggregator", "groups": "trainer"}
-TRAINER_GROUP = DOWNSTREAM["groups"]
-STEP_KEYS = ("plan", "emitted", "released", "finished", "consumed")
+DOWNSTREAM = {
+    "requests": Groups.ROLLOUT,
+    "samples": Groups.AGGREGATOR,
+    "groups": Groups.TRAINER,
+    "feedback": Groups.CONTROLLER,
+}
 MIN_KEEP_STEPS = 2  # the step under way and the one before it (late samples, the trainer's ack)
 
 
@@ -106,8 +111,7 @@ async def drop_old_steps(
     if hi <= 0:
         return 0
     steps = range(max(0, hi - window), hi)
-    names = [getattr(keys, k)(s) for s in steps for k in STEP_KEYS]
-    names += [f"{keys.released(s)}:ids" for s in steps]  # the controller's restart record
+    names = [name for s in steps for name in keys.step_keys(s)]
     return int(await r.delete(*names))
 
 

@@ -49,7 +49,6 @@ class TorchBackend:
         self.norm = 0.0
         self.loss_sum = 0.0
         self.clipfrac_num = 0.0
-        self.temperature = cfg.rollout.temperature
 
     def begin_step(self, version: int) -> None:
         """Freeze a version-k copy when old logprobs are recomputed rather than taken from the engine."""
@@ -68,7 +67,7 @@ class TorchBackend:
                     self.frozen,
                     [s.prompt_ids for s in group.samples],
                     [s.response_ids for s in group.samples],
-                    self.temperature,
+                    group.samples[0].temperature,
                 )
             return old
         old = torch.zeros_like(logp)
@@ -86,7 +85,7 @@ class TorchBackend:
             self.model,
             [s.prompt_ids for s in group.samples],
             [s.response_ids for s in group.samples],
-            self.temperature,
+            group.samples[0].temperature,  # the engine's: the request carried it
         )
         old = self._old_logprobs(group, logp.detach())
         adv = torch.from_numpy(group.advantages.astype("float32"))

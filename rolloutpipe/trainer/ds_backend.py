@@ -179,7 +179,6 @@ class _Replica:
         self.dtype = torch.bfloat16 if dc.dtype == "bf16" else torch.float32
         self.frozen: torch.nn.Module | None = None
         self.norm = self.loss_sum = self.clipfrac_num = 0.0
-        self.temperature = cfg.rollout.temperature
         log.info("rank %d/%d: ZeRO-%d, %s, %s", self.rank, self.world, dc.zero_stage, dc.dtype, backend)
 
     # --- commands over the gloo group -------------------------------------------------------
@@ -233,7 +232,7 @@ class _Replica:
                     self.frozen,
                     [s.prompt_ids for s in samples],
                     [s.response_ids for s in samples],
-                    self.temperature,
+                    samples[0].temperature,
                 )
             return old
         old = torch.zeros_like(logp)
@@ -260,7 +259,7 @@ class _Replica:
                     self.engine,
                     [s.prompt_ids for s in mine],
                     [s.response_ids for s in mine],
-                    self.temperature,
+                    mine[0].temperature,  # the engine's: the request carried it
                 )
                 old = self._old_logprobs(mine, logp.detach())
                 adv = torch.from_numpy(group.advantages[self.rank :: self.world].astype("float32"))

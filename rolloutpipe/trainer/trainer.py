@@ -1,8 +1,10 @@
 """The trainer role: groups in (FIFO), optimizer steps out, new policy version published.
 
-``cgp`` / ``cgp-fgd``: forward+backward per group as groups arrive; an optimizer step at each
-mini-batch boundary; mini-batch j is the j-th run of ``groups_per_minibatch`` groups in arrival
-order.  ``sync``: the same computation, started only once the whole rollout batch has arrived.
+``trainer.schedule: pipelined`` (CGP): forward+backward per group as groups arrive; an optimizer
+step at each mini-batch boundary; mini-batch j is the j-th run of ``groups_per_minibatch`` groups in
+arrival order, and a last, shorter mini-batch takes what is left.  ``barrier`` (slime's loop): the
+same computation, started only once the step's last group has arrived.  The step has the plan's
+groups, or, when the policy may skip or add groups, the number its ``StepSeal`` gives.
 
 The fence is enforced here, where groups are consumed.  Group entries are acknowledged only after
 the step's weights are published (the effect is durable).  A step commits through a checkpoint
@@ -25,11 +27,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rolloutpipe import metrics
-from rolloutpipe.broker.events import Group, PolicyVersion, StepMetrics, StepPlan
-from rolloutpipe.broker.streams import DATA, Broker, Entry, connect
-from rolloutpipe.config import Config
+from rolloutpipe.broker.events import Group, PolicyVersion, StepMetrics, StepPlan, StepSeal
+from rolloutpipe.broker.streams import Broker, Entry, Groups, connect
+from rolloutpipe.config import Config, mode_label
 from rolloutpipe.errors import StaleVersionError
-from rolloutpipe.runtime import close_client, end_tasks, queue_get, wait_event
+from rolloutpipe.runtime import close_client, end_tasks, queue_get
 from rolloutpipe.trainer import checkpoint
 from rolloutpipe.trainer.backends import Backend, make_backend
 from rolloutpipe.trainer.fence import VersionFence
@@ -39,14 +41,14 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("rolloutpipe.trainer")
-GROUP = "trainer"
+GROUP = Groups.TRAINER
 PENDING_SWEEP_S = 2.0  # how often the reader re-reads its own pending entries
 
 
 @dataclass
 class _Read:
     entry: Entry
-    group: Group
+    event: Group | StepSeal
     read_at: float
 
 
@@ -99,7 +101,7 @@ class Trainer:
         self.backend = backend
         self.out = out
         self.weights_root = out / "weights"
-        self.queue: asyncio.Queue[_Read] = asyncio.Queue(maxsize=max(4, 2 * cfg.controller.prompts_per_step))
+        self.queue: asyncio.Queue[_Read] = asyncio.Queue(maxsize=cfg.trainer.read_ahead_groups)
         self.queued_ids: set[str] = set()  # group entries handed to train_step (this process)
         self.ckpt_root = out / "checkpoints" / broker.run
         self.logs = [out / "metrics.jsonl"]  # appended at each commit; truncated back on resume
@@ -132,10 +134,10 @@ class Trainer:
                     continue
                 self.queued_ids.add(e.id)
                 now = time.time()
-                ev = await self.b.decode_or_dlq(e, GROUP, (Group,))
+                ev = await self.b.decode_or_dlq(e, GROUP, (Group, StepSeal))
                 if ev is None:
                     continue
-                assert isinstance(ev, Group)
+                assert isinstance(ev, Group | StepSeal)
                 await self.queue.put(_Read(e, ev, now))
 
     async def publish(self, version: int, m: StepMetrics | None = None) -> PolicyVersion:
@@ -145,23 +147,9 @@ class Trainer:
         before it plans the next one (the FGD window uses them).
         """
         pv = await asyncio.to_thread(self.backend.publish, self.weights_root, self.b.run, version)
-        raw = self.b.encode(pv)
-        pipe = self.b.r.pipeline(transaction=True)
-        if m is not None:
-            pipe.xadd(self.k.control, {DATA: self.b.encode(m)}, maxlen=self.b.maxlen, approximate=True)
-        pipe.set(self.k.version, raw)
-        pipe.xadd(self.k.control, {DATA: raw}, maxlen=self.b.maxlen, approximate=True)
-        await pipe.execute()
+        await self.b.publish_version(pv, m)
         log.info("published policy version %d", version)
         return pv
-
-    async def wait_plan(self, step: int, stop: asyncio.Event) -> StepPlan | None:
-        while not stop.is_set():
-            plan = await self.b.get_event(self.k.plan(step), StepPlan)
-            if plan is not None:
-                return plan
-            await wait_event(stop, 0.01)
-        return None
 
     async def train_minibatch(self, groups: list[Group], clock: StepClock) -> dict[str, float]:
         t0 = time.time()
@@ -177,24 +165,60 @@ class Trainer:
         clock.last_mb = dt
         return stats
 
+    async def close_minibatch(
+        self, groups: list[Group], clock: StepClock, last_group_t0: float, minibatches: list[list[str]]
+    ) -> None:
+        """The optimizer step at a mini-batch boundary of the pipelined schedule."""
+        t0 = time.time()
+        await asyncio.to_thread(self.backend.optimizer_step)
+        clock.mb_busy += time.time() - t0
+        clock.busy_intervals.append((t0, time.time()))
+        clock.last_group = time.time() - last_group_t0
+        clock.busy += clock.mb_busy
+        clock.last_mb, clock.mb_busy = clock.mb_busy, 0.0
+        minibatches.append([x.group_id for x in groups])
+
     async def train_step(self, step: int, plan: StepPlan, stop: asyncio.Event) -> StepMetrics | None:
         fence = VersionFence(step)
         await asyncio.to_thread(self.backend.begin_step, step)
         gpm = plan.groups_per_minibatch
+        pipelined = self.cfg.trainer.schedule == "pipelined"
+        total: int | None = plan.n_groups if plan.sealed else None  # else the seal says
         clock = StepClock()
         consumed: list[str] = []
         trained: list[bytes] = []  # encoded groups for OUT/groups.msgpack, written at the commit
         entry_ids: list[str] = []
         pending: list[Group] = []
         minibatches: list[list[str]] = []
-        seen = {_str(m) for m in await self.b.r.smembers(self.k.consumed(step))}
-        while len(consumed) < plan.n_groups:
+        seen = await self.b.consumed(step)
+        while total is None or len(consumed) < total:
             if stop.is_set():
                 return None
             item = await queue_get(self.queue, 0.1)
             if item is None:
                 continue
-            g = item.group
+            if isinstance(item.event, StepSeal):
+                seal = item.event
+                why = ""
+                if seal.step < step:  # a controller restarted after sealing seals its step again
+                    log.info("seal of step %d again (a restarted controller): acknowledged", seal.step)
+                    await self.b.incr("duplicate_seals", step=seal.step)
+                    await self.b.ack(self.k.groups, GROUP, item.entry.id)
+                    continue
+                if seal.step > step:
+                    why = f"seal of step {seal.step} during step {step}"
+                elif plan.sealed:
+                    why = f"seal of step {step}, whose plan was sealed with {plan.n_groups} groups"
+                elif seal.n_groups < len(consumed):
+                    why = f"seal of step {step} for {seal.n_groups} groups; {len(consumed)} already trained"
+                if why:
+                    await self.b.dead_letter(item.entry, why, step=step, policy_version=seal.policy_version,
+                                             counter="rejected_seals", ack_group=GROUP)  # fmt: skip
+                    continue
+                entry_ids.append(item.entry.id)  # acknowledged with the step's groups
+                total = seal.n_groups
+                continue
+            g = item.event
             try:
                 fence.check(g)
             except StaleVersionError as e:
@@ -221,22 +245,18 @@ class Trainer:
             if self.cfg.trainer.record_groups:
                 trained.append(self.b.encode(g))
             pending.append(g)
-            if plan.mode != "sync":  # CGP: train each group as it arrives, step at the boundary
+            if pipelined:  # CGP: train each group as it arrives, step at the boundary
                 tg = time.time()
                 await asyncio.to_thread(self.backend.accumulate, g)
                 clock.mb_busy += time.time() - tg
                 clock.busy_intervals.append((tg, time.time()))
-                if len(pending) == gpm:
-                    t0 = time.time()
-                    await asyncio.to_thread(self.backend.optimizer_step)
-                    clock.mb_busy += time.time() - t0
-                    clock.busy_intervals.append((t0, time.time()))
-                    clock.last_group = time.time() - tg
-                    clock.busy += clock.mb_busy
-                    clock.last_mb, clock.mb_busy = clock.mb_busy, 0.0
-                    minibatches.append([x.group_id for x in pending])
+                if len(pending) == gpm or len(consumed) == total:  # a boundary, or the step's last group
+                    await self.close_minibatch(pending, clock, tg, minibatches)
                     pending = []
-        if plan.mode == "sync":
+        if pipelined and pending:  # the seal came after the last group: its mini-batch is shorter
+            await self.close_minibatch(pending, clock, time.time(), minibatches)
+            pending = []
+        if not pipelined:
             for i in range(0, len(pending), gpm):
                 mb = pending[i : i + gpm]
                 await self.train_minibatch(mb, clock)
@@ -245,7 +265,7 @@ class Trainer:
         train_end = time.time()
         timeline: dict[str, Any] = {
             "step": step,
-            "mode": plan.mode,
+            "mode": mode_label(self.cfg.trainer.schedule, plan.policy),
             "step_start": clock.step_start,
             "train_end": train_end,
             "busy": clock.busy_intervals,
@@ -257,7 +277,7 @@ class Trainer:
             run=self.b.run,
             step=step,
             policy_version=step,
-            mode=plan.mode,
+            mode=mode_label(self.cfg.trainer.schedule, plan.policy),
             rollout_to_train_end_s=window,
             trainer_wait_ratio=max(0.0, window - clock.busy) / window,
             first_group_s=clock.first_read - clock.step_start,
@@ -335,20 +355,14 @@ class Trainer:
         self, step: int, m: StepMetrics | None, consumed: list[str], entry_ids: list[str]
     ) -> None:
         """Steps 3-4 of a commit; idempotent, so a resumed trainer can redo them."""
-        version = await self.b.get_event(self.k.version, PolicyVersion)
-        if version is None or version.policy_version <= step:
+        if await self.b.version_number() <= step:
             await self.publish(step + 1, m)
-        pipe = self.b.r.pipeline(transaction=True)
-        if consumed:
-            pipe.sadd(self.k.consumed(step), *consumed)
-        if entry_ids:
-            pipe.xack(self.k.groups, GROUP, *entry_ids)
-        await pipe.execute()
+        await self.b.commit_consumed(step, consumed, entry_ids)
         self.queued_ids.difference_update(entry_ids)  # acknowledged: never pending again
 
     async def resume(self) -> int:
         """Reconcile the newest checkpoint with the published version; returns the step to train."""
-        pv = await self.b.get_event(self.k.version, PolicyVersion)
+        pv = await self.b.version()
         ck = await asyncio.to_thread(checkpoint.latest, self.ckpt_root)
         if pv is None:  # a fresh run (stale checkpoints of an earlier run in this OUT are dropped)
             if ck is not None and ck.step > 0:
@@ -395,10 +409,8 @@ class Trainer:
         version = await self.resume()
         reader = asyncio.create_task(self._reader(stop))
         try:
-            for step in range(version, self.cfg.controller.steps):
-                plan = await self.wait_plan(step, stop)
-                if plan is None:
-                    break
+            step = version
+            while (plan := await self.b.wait_plan(step, stop)) is not None:
                 m = await self.train_step(step, plan, stop)
                 if m is None:
                     break
@@ -409,6 +421,7 @@ class Trainer:
                     m.rollout_to_train_end_s,
                     m.trainer_wait_ratio,
                 )
+                step += 1
         finally:
             await end_tasks(stop, reader)
             if self.logger is not None:
@@ -437,10 +450,6 @@ def _truncate_logs(out: Path, offsets: dict[str, int]) -> None:
         if p.exists() and p.stat().st_size > size:
             log.info("truncating %s to %d bytes (uncommitted step)", p.name, size)
             os.truncate(p, size)
-
-
-def _str(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
 
 
 async def run_trainer(cfg: Config, url: str, run: str, out: Path, stop: asyncio.Event) -> int:

@@ -1,5 +1,12 @@
 """The aggregator: samples in, complete groups out (FIFO, with frontier status).
 
+A group is complete when its allocation is final and samples ``0..n-1`` of its final count ``n``
+are in: the plan gives each group's count; the controller's ``Allocation`` events (on ``samples``,
+recorded in ``alloc:k``) extend, finalize, close or skip groups that were not final.  When every
+allocated sample of a group that is not final is in, the aggregator reports the round's rewards,
+lengths and truncations on ``feedback`` for the controller's policy to decide.  Samples beyond a
+closed group's count, and a skipped group's samples, are acknowledged and counted as discarded.
+
 Exactly once:
 * samples are acknowledged only in the same atomic script that writes their group, and only if
   the group id was not written before (a Redis set per step), so a crash between the two loses
@@ -23,27 +30,35 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rolloutpipe import metrics
-from rolloutpipe.broker.events import FrontierStatus, Group, PolicyVersion, Sample, StepPlan
-from rolloutpipe.broker.streams import Broker, Entry, connect
+from rolloutpipe.broker.events import (
+    Allocation,
+    AllocationRecord,
+    FrontierStatus,
+    Group,
+    GroupStats,
+    Sample,
+    StepPlan,
+)
+from rolloutpipe.broker.streams import Broker, Entry, Groups, connect
 from rolloutpipe.config import Config
 from rolloutpipe.runtime import close_client
 from rolloutpipe.trainer.grpo import group_advantages
 
 log = logging.getLogger("rolloutpipe.aggregator")
-GROUP = "aggregator"
+GROUP = Groups.AGGREGATOR
 PENDING_SWEEP_S = 2.0  # how often, when idle, the aggregator re-reads its own pending entries
 
-# KEYS: emitted-set, groups stream, samples stream.  ARGV: group id, payload, maxlen, sample entry ids…
-EMIT_LUA = """
-local new = redis.call('SADD', KEYS[1], ARGV[1])
-if new == 1 then
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'd', ARGV[2])
-end
-for i = 4, #ARGV do
-  redis.call('XACK', KEYS[3], 'aggregator', ARGV[i])
-end
-return new
-"""
+
+@dataclass
+class Target:
+    """A group's allocation as the aggregator knows it: from the plan, then from ``Allocation``s."""
+
+    n: int
+    final: bool
+    status: str
+    prompt_index: int
+    record: AllocationRecord
+    revision: int = 0
 
 
 @dataclass
@@ -60,39 +75,64 @@ class Aggregator:
         self.partial: dict[str, Partial] = {}
         self.emitted_count: dict[int, int] = {}
         self.plans: dict[int, StepPlan] = {}
-        self._emit = broker.r.register_script(EMIT_LUA)
+        self.targets: dict[int, dict[str, Target]] = {}
+        self.reported: dict[str, int] = {}  # group id -> count whose stats went to the controller
         self.groups_emitted = 0
 
     async def plan(self, step: int) -> StepPlan | None:
+        """The step's plan and its groups' allocations: the plan's counts, then the controller's decisions."""
         if step not in self.plans:
-            p = await self.b.get_event(self.k.plan(step), StepPlan)
+            p = await self.b.plan(step)
             if p is None:
                 return None
             self.plans[step] = p
+            self.targets[step] = {}
+            for g in p.groups:
+                status = "final" if g.final else "open"
+                record = AllocationRecord(initial=g.n, counts=[g.n], status=status)
+                self.targets[step][g.group_id] = Target(g.n, g.final, status, g.prompt_index, record)
+            for a in (await self.b.allocations(step)).values():
+                self.apply(a)
             for old in [s for s in self.plans if s < step - 2]:  # memory stays flat over long runs
                 self.plans.pop(old, None)
                 self.emitted_count.pop(old, None)
+                self.targets.pop(old, None)
         return self.plans[step]
 
-    async def trained_version(self) -> int:
-        pv = await self.b.get_event(self.k.version, PolicyVersion)
-        return -1 if pv is None else pv.policy_version
+    def apply(self, a: Allocation) -> Target:
+        targets = self.targets[a.step]
+        t = targets.get(a.group_id)
+        if t is None:  # a group the policy added to the step
+            t = targets[a.group_id] = Target(a.n, a.final, a.status, a.prompt_index, a.record())
+        if a.revision > t.revision:
+            t.n, t.final, t.status, t.record, t.revision = a.n, a.final, a.status, a.record(), a.revision
+        return t
 
     async def on_entry(self, entry: Entry) -> None:
-        ev = await self.b.decode_or_dlq(entry, GROUP, (Sample,))
+        ev = await self.b.decode_or_dlq(entry, GROUP, (Sample, Allocation))
         if ev is None:
+            return
+        if isinstance(ev, Allocation):
+            await self.on_allocation(entry, ev)
             return
         assert isinstance(ev, Sample)
         plan = await self.plan(ev.step)
+        t = self.targets[ev.step].get(ev.group_id) if plan is not None else None
+        unkept = t is not None and (t.status == "skipped" or (t.final and ev.sample_index >= t.n))
         reject = ""
         if ev.policy_version != ev.step:
             reject = f"stale sample: generated by policy_version {ev.policy_version} for step {ev.step}"
         elif plan is None:
             reject = f"no plan for step {ev.step}"
-        elif ev.step < await self.trained_version():
+        elif unkept and t is not None:
+            # kept by no allocation, whether its step is trained or not (a closed group's request
+            # still generating when the step ended, or redone after its worker died)
+            await self.discard(ev.step, [entry.id], f"group {ev.group_id} is {t.status} at {t.n} samples")
+            return
+        elif ev.step < await self.b.version_number():
             reject = f"stale sample: step {ev.step} is already trained"
-        elif ev.group_size != plan.group_size or not 0 <= ev.sample_index < ev.group_size:
-            reject = f"sample_index {ev.sample_index} / group_size {ev.group_size} do not fit the plan"
+        elif t is None or ev.sample_index < 0:
+            reject = f"group {ev.group_id} sample {ev.sample_index} is not in the plan of step {ev.step}"
         if reject:
             await self.b.dead_letter(
                 entry,
@@ -103,7 +143,8 @@ class Aggregator:
                 ack_group=GROUP,
             )
             return
-        if await self.b.r.sismember(self.k.emitted(ev.step), ev.group_id):
+        assert t is not None
+        if await self.b.is_emitted(ev.step, ev.group_id):
             await self._duplicate(entry, ev, "group already emitted")
             return
         part = self.partial.setdefault(ev.group_id, Partial())
@@ -113,21 +154,75 @@ class Aggregator:
             return
         part.samples[ev.sample_index] = (ev, entry.id)
         metrics.SAMPLES.labels("aggregator").inc()
-        if len(part.samples) == ev.group_size:
-            await self.emit(ev.step, ev.group_id, part)
+        await self.check(ev.step, ev.group_id)
+
+    async def on_allocation(self, entry: Entry, a: Allocation) -> None:
+        """News of a decision; ``alloc:k`` holds it durably, so the entry is acknowledged at once."""
+        if await self.plan(a.step) is None:
+            await self.b.dead_letter(entry, f"allocation for step {a.step}, which has no plan", step=a.step,
+                                     ack_group=GROUP)  # fmt: skip
+            return
+        self.apply(a)
+        await self.b.ack(self.k.samples, GROUP, entry.id)
+        await self.check(a.step, a.group_id)
+
+    async def check(self, step: int, gid: str) -> None:
+        """Emit the group once its final count is complete; report a complete round of an open one."""
+        t = self.targets[step][gid]
+        part = self.partial.get(gid)
+        if t.status == "skipped":
+            if part is not None:
+                del self.partial[gid]
+                await self.discard(step, [eid for _, eid in part.samples.values()], f"group {gid} skipped")
+            return
+        if part is None or sum(1 for i in part.samples if i < t.n) < t.n:
+            return
+        if t.final:
+            await self.emit(step, gid, part, t)
+        elif self.reported.get(gid) != t.n:
+            self.reported[gid] = t.n
+            await self.b.publish(
+                self.k.feedback, self.stats(step, gid, t, self.members(part, t), emitted=False)
+            )
+
+    async def discard(self, step: int, entry_ids: list[str], why: str) -> None:
+        """Samples no allocation keeps (closed or skipped groups): acknowledged, counted, never trained."""
+        await self.b.ack(self.k.samples, GROUP, *entry_ids)
+        await self.b.incr("discarded_samples", step=step, by=len(entry_ids))
+        log.info("discarded %d samples: %s", len(entry_ids), why)
+
+    @staticmethod
+    def members(part: Partial, t: Target) -> list[Sample]:
+        """Samples 0..n-1: membership follows the allocation, never the order of arrival."""
+        return [part.samples[i][0] for i in range(t.n)]
+
+    def stats(self, step: int, gid: str, t: Target, samples: list[Sample], *, emitted: bool) -> GroupStats:
+        return GroupStats(
+            run=self.b.run,
+            step=step,
+            policy_version=step,
+            group_id=gid,
+            prompt_index=t.prompt_index,
+            n=len(samples),
+            rewards=np.asarray([s.reward for s in samples], dtype=np.float32),
+            lengths=np.asarray([len(s.response_ids) for s in samples], dtype=np.int32),
+            truncated=sum(1 for s in samples if s.finish_reason == "length"),
+            emitted=emitted,
+            created_at=time.time(),
+        )
 
     async def _duplicate(self, entry: Entry, ev: Sample, why: str) -> None:
         log.info("duplicate sample %s (%s) acknowledged", ev.sample_id, why)
         await self.b.incr("duplicate_samples", step=ev.step)
         await self.b.ack(self.k.samples, GROUP, entry.id)
 
-    async def emit(self, step: int, gid: str, part: Partial) -> None:
+    async def emit(self, step: int, gid: str, part: Partial, t: Target) -> None:
         plan = self.plans[step]
         if step not in self.emitted_count:
-            self.emitted_count[step] = int(await self.b.r.scard(self.k.emitted(step)))
+            self.emitted_count[step] = await self.b.emitted_count(step)
         pos = self.emitted_count[step]
         gpm = plan.groups_per_minibatch
-        ordered = [part.samples[i][0] for i in sorted(part.samples)]
+        ordered = self.members(part, t)
         rewards = np.asarray([s.reward for s in ordered], dtype=np.float32)
         group = Group(
             run=self.b.run,
@@ -142,17 +237,19 @@ class Aggregator:
                 position=pos,
                 minibatch_size=gpm,
                 needed=gpm - 1 - pos % gpm,
-                total_groups=plan.n_groups,
+                total_groups=len(self.targets[step]),
             ),
+            allocation=t.record,
             completed_at=time.time(),
         )
+        extra = [eid for i, (_, eid) in part.samples.items() if i >= t.n]  # a closed group's later samples
         ids = [eid for _, eid in part.samples.values()]
-        new = await self._emit(
-            keys=[self.k.emitted(step), self.k.groups, self.k.samples],
-            args=[gid, self.b.encode(group), self.b.maxlen, *ids],
-        )
+        new = await self.b.emit_group(group, self.stats(step, gid, t, ordered, emitted=True), ids)
         del self.partial[gid]
-        if int(new) == 1:
+        self.reported.pop(gid, None)
+        if extra:
+            await self.b.incr("discarded_samples", step=step, by=len(extra))
+        if new:
             self.emitted_count[step] = pos + 1
             self.groups_emitted += 1
             metrics.GROUPS.labels("aggregator").inc()
@@ -183,7 +280,7 @@ class Aggregator:
                 )
             for e in entries:
                 await self.on_entry(e)
-            if not entries and await self.b.r.exists(self.k.done):
+            if not entries and await self.b.is_done():
                 break
         return 0
 

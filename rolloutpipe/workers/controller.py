@@ -1,115 +1,83 @@
-"""The controller: turns the dataset into rollout requests for step k, in one of three modes.
+"""The controller: the I/O around one admission and allocation policy (``policies/``).
 
-* ``sync`` and ``cgp`` release every request of the step at once, in plain FIFO (dataset) order;
-* ``cgp-fgd`` (frontier-group dispatch) holds requests back and admits them only as engine
-  capacity frees, frontier groups first: groups already under way and groups that the next
-  mini-batch needs go before later groups, and leftover capacity is filled with later groups.
+For each step, once policy version k is published (the trainer's fence makes that binding):
 
-Step k starts only once policy version k is published (the trainer's fence makes that binding).
+1. the policy plans the step's groups and their initial sample counts (``StepPlan``);
+2. as engine capacity frees and groups complete, the policy says which requests to release;
+3. group statistics from the aggregator (``feedback``) go to the policy, whose decisions (extend,
+   finalize, close, skip, add) are written as ``Allocation`` events and applied;
+4. once every group's count is final and its requests are released, a plan that could change its
+   groups is sealed (``StepSeal``: the number of groups the trainer will get).
+
+Nothing here decides anything: FIFO, FGD and every allocation policy live in ``policies/``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
-from collections import OrderedDict
-from typing import Any
+from dataclasses import astuple
 
-from redis.exceptions import NoPermissionError, RedisError, ResponseError
+import numpy as np
+from redis.exceptions import NoPermissionError, RedisError
 
 from rolloutpipe import metrics
-from rolloutpipe.broker.events import PolicyVersion, RolloutRequest, StepMetrics, StepPlan
-from rolloutpipe.broker.streams import DATA, Broker, connect
-from rolloutpipe.broker.trim import TRAINER_GROUP, trim_run
-from rolloutpipe.broker.trim import as_str as _str
+from rolloutpipe.broker.events import (
+    Allocation,
+    GroupPlan,
+    GroupStats,
+    PolicyVersion,
+    RolloutRequest,
+    StepMetrics,
+    StepPlan,
+    StepSeal,
+)
+from rolloutpipe.broker.streams import Broker, Groups, connect
+from rolloutpipe.broker.trim import trim_run
 from rolloutpipe.config import Config
-from rolloutpipe.errors import CodecError
+from rolloutpipe.errors import PolicyError
 from rolloutpipe.runtime import close_client, end_tasks, wait_event
+from rolloutpipe.workers.policies import make_policy
+from rolloutpipe.workers.policies.base import (
+    AddGroup,
+    Close,
+    Decision,
+    Extend,
+    Finalize,
+    GroupView,
+    Policy,
+    PrevStep,
+    PromptRecord,
+    Release,
+    Skip,
+    StepInfo,
+    StepView,
+)
 from rolloutpipe.workers.task import Prompt, load_dataset
 
 log = logging.getLogger("rolloutpipe.controller")
-
-
-def build_requests(cfg: Config, run: str, step: int, prompts: list[Prompt]) -> list[RolloutRequest]:
-    """Requests of step ``step`` in group-major order (all samples of group 0, then group 1, …)."""
-    cc = cfg.controller
-    B, G = cc.prompts_per_step, cc.group_size
-    gpm = B // cc.minibatches
-    now = time.time()
-    out = []
-    for g in range(B):
-        pidx = (step * B + g) % len(prompts)
-        p = prompts[pidx]
-        gid = f"{step}:{g}"
-        for s in range(G):
-            out.append(
-                RolloutRequest(
-                    run=run,
-                    step=step,
-                    policy_version=step,
-                    request_id=f"{gid}:{s}",
-                    group_id=gid,
-                    prompt_index=pidx,
-                    sample_index=s,
-                    group_size=G,
-                    prompt=p.text,
-                    answer=p.answer,
-                    seed=(cc.seed * 1_000_003 + step * 10_007 + g * 101 + s) % (2**31),
-                    max_new_tokens=cfg.rollout.max_new_tokens,
-                    temperature=cfg.rollout.temperature,
-                    minibatch_hint=g // gpm,
-                    released_at=now,
-                )
-            )
-    return out
+CONSUMER = "controller"
+CAPACITY_EVERY_S = 0.5  # how often live workers' slots are re-read while requests wait for them
 
 
 class Controller:
-    def __init__(self, cfg: Config, broker: Broker) -> None:
+    def __init__(self, cfg: Config, broker: Broker, policy: Policy | None = None) -> None:
         self.cfg = cfg
+        self.cc = cfg.controller
         self.b = broker
-        self.k = broker.keys
         self.prompts = load_dataset(cfg.task.dataset, cfg.task.num_prompts, cfg.task.seed, cfg.task.path)
-        self.window_on: dict[int, bool] = {}  # FGD frontier window per step
-        self.free_makespan: float | None = None  # makespan of the last step without the window
+        self.policy = policy if policy is not None else make_policy(cfg.controller)
+        self.history: dict[int, list[PromptRecord]] = {}
+        self._history_dirty: set[int] = set()  # prompts whose history is not saved yet
         self.stop = asyncio.Event()  # the run's stop event, once ``run`` starts
 
-    async def version(self) -> int:
-        raw = await self.b.r.get(self.k.version)
-        return -1 if raw is None else self.b.codec.decode_as(raw, PolicyVersion).policy_version
-
-    async def wait_version(self, v: int, stop: asyncio.Event) -> bool:
-        while not stop.is_set():
-            if await self.version() >= v:
-                return True
-            await wait_event(stop, 0.01)
-        return False
-
-    async def capacity(self) -> int:
-        """Sum of live workers' slots, from their heartbeat keys (TTL'd)."""
-        total = 0
-        async for key in self.b.r.scan_iter(match=self.k.heartbeat_pattern(), count=100):
-            raw = await self.b.r.get(key)
-            if raw:
-                with contextlib.suppress(ValueError, KeyError):
-                    total += int(json.loads(raw)["capacity"])
-        return total
-
-    async def audit_control(self, stop: asyncio.Event) -> None:
-        """Consume ``control`` (group ``controller``): anything that is not a control event goes to dlq."""
-        await self.b.ensure_group(self.k.control, "controller")
-        while not stop.is_set():
-            entries = await self.b.read(self.k.control, "controller", "controller", count=64, block_ms=200)
-            for e in entries:
-                ev = await self.b.decode_or_dlq(e, "controller", (StepPlan, PolicyVersion, StepMetrics))
-                if ev is not None:
-                    await self.b.ack(self.k.control, "controller", e.id)
+    # ------------------------------------------------------------------------------------ the run
 
     async def run(self, stop: asyncio.Event) -> int:
         self.stop = stop
+        await self.b.ensure_group(self.b.keys.feedback, Groups.CONTROLLER)
         audit = asyncio.create_task(self.audit_control(stop))
         trim = asyncio.create_task(self.trim_loop(stop))
         try:
@@ -117,29 +85,51 @@ class Controller:
         finally:
             await end_tasks(stop, audit, trim)
 
-    async def trim_loop(self, stop: asyncio.Event, every_s: float = 1.0, poll_s: float = 0.1) -> None:
-        """Trim acknowledged stream entries and old steps' keys (``rolloutpipe/broker/trim.py``).
+    async def _run(self, stop: asyncio.Event) -> int:
+        if self.policy.history > 0:
+            self.history = {
+                p: [PromptRecord(*r) for r in recs] for p, recs in (await self.b.prompt_history()).items()
+            }
+        start = max(0, await self.b.version_number())
+        for step in range(start, self.cc.steps):
+            if await self.b.wait_version(step, stop) is None:
+                return 0
+            await self.release_step(step, stop)
+            if await self.b.wait_version(step + 1, stop) is None:
+                return 0
+        await self.b.mark_done()
+        log.info("all %d steps done", self.cc.steps)
+        return 0
 
-        Runs as each new policy version (step) appears, and at least every ``every_s`` seconds.
-        """
+    async def audit_control(self, stop: asyncio.Event) -> None:
+        """Consume ``control``: anything that is not a control event goes to dlq."""
+        k = self.b.keys
+        await self.b.ensure_group(k.control, Groups.CONTROLLER)
+        while not stop.is_set():
+            entries = await self.b.read(k.control, Groups.CONTROLLER, CONSUMER, count=64, block_ms=200)
+            for e in entries:
+                ev = await self.b.decode_or_dlq(e, Groups.CONTROLLER, (StepPlan, PolicyVersion, StepMetrics))
+                if ev is not None:
+                    await self.b.ack(k.control, Groups.CONTROLLER, e.id)
+
+    async def trim_loop(self, stop: asyncio.Event, every_s: float = 1.0, poll_s: float = 0.1) -> None:
+        """Trim acknowledged stream entries and old steps' keys (``rolloutpipe/broker/trim.py``)."""
         rc = self.cfg.redis
         if not rc.trim:
             return
         last_v, last_t = -2, 0.0
         while not stop.is_set():
             try:
-                v = await self.version()
+                v = await self.b.version_number()
                 if v != last_v or time.monotonic() - last_t >= every_s:
                     await trim_run(
                         self.b.r,
-                        self.k,
+                        self.b.keys,
                         max(0, v),
                         keep_steps=rc.keep_steps,
                         control_maxlen=rc.control_maxlen,
                     )
                     last_v, last_t = v, time.monotonic()
-                    for old in [s for s in self.window_on if s < v - 2]:  # use_window reads step - 1
-                        del self.window_on[old]
             except NoPermissionError as e:  # an ACL user without XTRIM/XINFO/XPENDING/DEL (compose)
                 log.error("trimming off for this run: the controller's Redis user may not trim: %s", e)
                 with contextlib.suppress(RedisError):
@@ -151,32 +141,14 @@ class Controller:
                     await self.b.incr("trim_errors")
             await wait_event(stop, poll_s)
 
-    async def trainer_lag(self) -> int:
-        """Groups in ``groups`` the trainer has not acknowledged: undelivered (lag) + pending."""
-        try:
-            groups: Any = await self.b.r.xinfo_groups(self.k.groups)
-        except ResponseError:  # no stream yet
-            return 0
-        for g in groups:
-            if _str(g["name"]) != TRAINER_GROUP:
-                continue
-            lag = g.get("lag")
-            if lag is None:  # Redis cannot tell (entries deleted mid-stream): count them
-                after: Any = await self.b.r.xrange(
-                    self.k.groups, min="(" + _str(g["last-delivered-id"]), max="+"
-                )
-                lag = len(after)
-            return int(lag) + int(g["pending"])
-        return int(await self.b.r.xlen(self.k.groups))  # no trainer group yet: nothing consumed
-
     async def wait_for_trainer(self, stop: asyncio.Event, poll_s: float = 0.05) -> None:
         """Backpressure: hold releases while the trainer is more than ``max_trainer_lag_groups`` behind."""
-        limit = self.cfg.controller.max_trainer_lag_groups
+        limit = self.cc.max_trainer_lag_groups
         if limit <= 0:
             return
         held = False
         while not stop.is_set():
-            lag = await self.trainer_lag()
+            lag = await self.b.trainer_lag()
             if lag <= limit:
                 break
             if not held:
@@ -187,193 +159,320 @@ class Controller:
         if held:
             log.info("trainer caught up: releasing again")
 
-    async def _run(self, stop: asyncio.Event) -> int:
-        cc = self.cfg.controller
-        start = max(0, await self.version())
-        for step in range(start, cc.steps):
-            if not await self.wait_version(step, stop):
-                return 0
-            await self.release_step(step, stop)
-            if not await self.wait_version(step + 1, stop):
-                return 0
-        await self.b.r.set(self.k.done, b"1")
-        log.info("all %d steps done", cc.steps)
-        return 0
+    # ------------------------------------------------------------------------------------ a step
 
-    def released_ids(self, step: int) -> str:
-        """Set of the request ids of step ``step`` already on ``requests`` (written with them)."""
-        return f"{self.k.released(step)}:ids"
+    async def release_step(self, step: int, stop: asyncio.Event) -> StepView:
+        """Plan step ``step`` and drive its policy until every count is final and every request released.
 
-    async def release_step(self, step: int, stop: asyncio.Event) -> None:
-        """Plan step ``step`` and release its requests; on a restart, only the ones not yet released.
-
-        Each release batch is one ``MULTI`` (``XADD``s, the ``released:k`` counter and the
-        ``released:k:ids`` set), so after a SIGKILL a request is either released and recorded or
-        neither; a restarted controller re-reads ``plan:k`` and the set and releases the rest.
+        On a restart the plan, the released request ids and the allocations are read back, so a
+        request is released once and a decision is not taken twice.
         """
-        cc = self.cfg.controller
-        reqs = build_requests(self.cfg, self.b.run, step, self.prompts)
-        if await self.b.r.exists(self.k.plan(step)):
-            done = {_str(x) for x in await self.b.r.smembers(self.released_ids(step))}
-            if len(done) >= len(reqs):
-                log.info("step %d already planned and released (restart)", step)
-                return
-            log.info(
-                "step %d already planned (restart): %d of %d requests released", step, len(done), len(reqs)
+        await self.b.ensure_group(self.b.keys.feedback, Groups.CONTROLLER)
+        plan = await self.b.plan(step)
+        if plan is None:
+            await self.drain_feedback(None)  # the last step's groups, into the per-prompt history
+        specs = self.policy.plan(await self.step_info(step))  # also on a restart: per-step state
+        if plan is None:
+            gpm = self.cc.prompts_per_step // self.cc.minibatches
+            plan = StepPlan(
+                run=self.b.run,
+                step=step,
+                policy_version=step,
+                policy=self.cc.policy,
+                groups=[
+                    GroupPlan(group_id=f"{step}:{i}", prompt_index=s.prompt_index, n=s.n, final=s.final)
+                    for i, s in enumerate(specs)
+                ],
+                minibatches=self.cc.minibatches,
+                groups_per_minibatch=gpm,
+                sealed=not self.policy.changes_groups,
+                created_at=time.time(),
             )
-            await self._release_rest(step, reqs, done, stop)
+            await self.b.write_plan(plan)
+            view = self.view_of(plan)
+        else:
+            view = self.view_of(plan)
+            await self.restore(step, view)
+            await self.drain_feedback(view)  # news an earlier controller read but did not act on
+        await self.drive(step, plan, view, stop)
+        return view
+
+    async def step_info(self, step: int) -> StepInfo:
+        B = self.cc.prompts_per_step
+        prev = await self.b.step_metrics(step - 1)
+        return StepInfo(
+            step=step,
+            prompts=[(step * B + g) % len(self.prompts) for g in range(B)],
+            group_size=self.cc.group_size,
+            minibatches=self.cc.minibatches,
+            n_prompts=len(self.prompts),
+            prev=None if prev is None else PrevStep(prev.step, prev.train_busy_s, prev.rollout_makespan_s),
+            history=self.history,
+        )
+
+    def view_of(self, plan: StepPlan) -> StepView:
+        gpm = plan.groups_per_minibatch
+        groups = {
+            g.group_id: GroupView(
+                group_id=g.group_id,
+                prompt_index=g.prompt_index,
+                order=i,
+                minibatch=i // gpm,
+                initial=g.n,
+                target=g.n,
+                final=g.final,
+                status="final" if g.final else "open",
+                counts=[g.n],
+            )
+            for i, g in enumerate(plan.groups)
+        }
+        return StepView(plan.step, plan.minibatches, gpm, groups, history=self.history)
+
+    async def restore(self, step: int, view: StepView) -> None:
+        """A restarted controller: what was released, and every decision already taken."""
+        for gid, a in sorted((await self.b.allocations(step)).items(), key=lambda x: x[1].minibatch_hint):
+            g = view.groups.get(gid) or self.add_view(view, a.prompt_index, a.initial, a.final, gid)
+            g.target, g.final, g.status, g.counts = a.n, a.final, a.status, list(a.counts)
+            g.revision, g.completed = a.revision, a.completed  # rewards come again with the next round
+        for rid in await self.b.released_ids(step):
+            gid, _, _ = rid.rpartition(":")
+            if gid in view.groups:
+                view.groups[gid].released += 1
+        for gid in await self.b.emitted_ids(step):
+            if gid in view.groups:
+                view.groups[gid].emitted = True
+        view.emitted = sum(1 for g in view.groups.values() if g.emitted)
+        n = sum(g.released for g in view.groups.values())
+        log.info("step %d already planned (restart): %d requests released", step, n)
+
+    async def drive(self, step: int, plan: StepPlan, view: StepView, stop: asyncio.Event) -> None:
+        cap, cap_at = 0, 0.0
+        sealed = plan.sealed
+        while not stop.is_set():
+            todo = any(g.unreleased for g in view.groups.values())
+            for e in await self.b.read_feedback(CONSUMER, block_ms=5 if todo else 200):
+                ev = await self.b.decode_or_dlq(e, Groups.CONTROLLER, (GroupStats,))
+                if ev is not None:
+                    assert isinstance(ev, GroupStats)
+                    await self.on_stats(view, ev)
+                    await self.b.ack(self.b.keys.feedback, Groups.CONTROLLER, e.id)
+            if any(g.unreleased for g in view.groups.values()):
+                if time.monotonic() - cap_at > CAPACITY_EVERY_S or cap == 0:
+                    cap, cap_at = await self.b.capacity(), time.monotonic()
+                released = sum(g.released for g in view.groups.values())
+                view.capacity = cap
+                view.inflight = released - await self.b.finished(step)
+                releases = self.policy.admit(view, max(cap, 1) - view.inflight)
+                await self.release(step, plan, view, releases)
+            if all(g.status != "open" and not g.unreleased for g in view.groups.values()):
+                if not sealed:
+                    await self.seal(step, view)
+                    sealed = True
+                log.info("step %d: every request released, every count final (%s)", step, self.cc.policy)
+                return
+
+    async def on_stats(self, view: StepView, ev: GroupStats) -> None:
+        """Feedback on one group: record it, and give the policy its turn if the group is this step's."""
+        if ev.emitted:
+            self.remember(ev)
+        g = view.groups.get(ev.group_id) if ev.step == view.step else None
+        if g is None or ev.n < g.completed or (ev.n == g.completed and g.emitted == ev.emitted):
+            return  # another step's, or news we have already had (a redelivery)
+        g.completed, g.rewards, g.lengths, g.truncated = ev.n, ev.rewards, ev.lengths, ev.truncated
+        if ev.emitted and not g.emitted:
+            g.emitted = True
+            view.emitted += 1
+        await self.apply(view, self.policy.on_stats(view, g))
+
+    def remember(self, ev: GroupStats) -> None:
+        """An emitted group into its prompt's history (only as much as the policy reads)."""
+        keep = self.policy.history
+        if keep <= 0:
             return
-        plan = StepPlan(
+        r = np.asarray(ev.rewards, dtype=np.float64)
+        rec = PromptRecord(
+            step=ev.step,
+            n=ev.n,
+            reward_mean=float(r.mean()) if len(r) else 0.0,
+            reward_std=float(r.std()) if len(r) else 0.0,
+            pass_rate=float((r > 0).mean()) if len(r) else 0.0,
+            mean_length=float(np.mean(ev.lengths)) if len(ev.lengths) else 0.0,
+            truncated_frac=ev.truncated / max(1, ev.n),
+        )
+        recs = [x for x in self.history.get(ev.prompt_index, []) if x.step != ev.step]
+        self.history[ev.prompt_index] = [*recs, rec][-keep:]
+        self._history_dirty.add(ev.prompt_index)
+
+    async def drain_feedback(self, view: StepView | None) -> None:
+        """Take the feedback that is there without waiting: first any entry read before but not
+        acknowledged (a restart), then the new ones.  ``view``: the step under way, whose news goes
+        to the policy; without one (a step not planned yet) only the history learns from it."""
+        for start in ("0", ">"):
+            while entries := await self.b.read_feedback(CONSUMER, block_ms=1, count=1024, start=start):
+                for e in entries:
+                    ev = await self.b.decode_or_dlq(e, Groups.CONTROLLER, (GroupStats,))
+                    if not isinstance(ev, GroupStats):
+                        continue
+                    if view is not None:
+                        await self.on_stats(view, ev)
+                    elif ev.emitted:
+                        self.remember(ev)
+                    await self.b.ack(self.b.keys.feedback, Groups.CONTROLLER, e.id)
+                if start == "0":
+                    break  # the pending list, read once
+        await self.save_history()
+
+    async def save_history(self) -> None:
+        dirty, self._history_dirty = self._history_dirty, set()
+        await self.b.save_prompt_history(
+            {p: [astuple(r) for r in self.history[p]] for p in dirty if p in self.history}
+        )
+
+    # ------------------------------------------------------------------------------------ decisions
+
+    async def apply(self, view: StepView, decisions: list[Decision]) -> None:
+        for d in decisions:
+            if isinstance(d, AddGroup):
+                if not self.policy.changes_groups:
+                    raise PolicyError(f"{self.cc.policy}: AddGroup from a policy with changes_groups False")
+                g = self.add_view(view, d.prompt_index, d.n, d.final)
+                await self.allocate(view, g, d.reason)
+                continue
+            found = view.groups.get(d.group_id)
+            if found is None:
+                raise PolicyError(f"{self.cc.policy}: decision on unknown group {d.group_id!r}")
+            g = found
+            if g.status != "open":
+                raise PolicyError(f"{self.cc.policy}: {type(d).__name__} on group {g.group_id} ({g.status})")
+            if isinstance(d, Extend):
+                if d.n < 1:
+                    raise PolicyError(f"{self.cc.policy}: Extend by {d.n} samples")
+                g.target += d.n
+                g.counts.append(g.target)
+                g.final = d.final
+                g.status = "final" if d.final else "open"
+            elif isinstance(d, Finalize):
+                g.final, g.status = True, "final"
+            elif isinstance(d, Close):
+                if not 1 <= d.keep <= g.completed:
+                    raise PolicyError(
+                        f"{self.cc.policy}: Close({g.group_id}, keep={d.keep}) but {g.completed} samples are "
+                        "complete: a group keeps only completed samples (use Skip to drop it)"
+                    )
+                g.target, g.final, g.status = d.keep, True, "closed"
+                g.counts.append(d.keep)
+            elif isinstance(d, Skip):
+                if not self.policy.changes_groups:
+                    raise PolicyError(f"{self.cc.policy}: Skip from a policy with changes_groups False")
+                g.final, g.status = True, "skipped"
+            await self.allocate(view, g, getattr(d, "reason", ""))
+
+    def add_view(
+        self, view: StepView, prompt_index: int | None, n: int, final: bool, group_id: str = ""
+    ) -> GroupView:
+        i = len(view.groups)
+        if prompt_index is None:  # the dataset's next prompts after the step's own
+            prompt_index = (view.step * self.cc.prompts_per_step + i) % len(self.prompts)
+        g = GroupView(
+            group_id=group_id or f"{view.step}:{i}",
+            prompt_index=prompt_index,
+            order=i,
+            minibatch=i // view.groups_per_minibatch,
+            initial=n,
+            target=n,
+            final=final,
+            status="final" if final else "open",
+            counts=[n],
+        )
+        view.groups[g.group_id] = g
+        return g
+
+    async def allocate(self, view: StepView, g: GroupView, reason: str) -> None:
+        g.revision += 1
+        alloc = Allocation(
+            run=self.b.run,
+            step=view.step,
+            policy_version=view.step,
+            group_id=g.group_id,
+            prompt_index=g.prompt_index,
+            n=g.target,
+            completed=g.completed,
+            final=g.final,
+            status=g.status,
+            reason=reason,
+            initial=g.initial,
+            counts=list(g.counts),
+            revision=g.revision,
+            minibatch_hint=g.order,
+            created_at=time.time(),
+        )
+        await self.b.write_allocation(alloc)
+        if g.status in ("closed", "skipped"):
+            await self.b.incr(f"groups_{g.status}", step=view.step)
+        log.info("step %d group %s: %s at %d samples%s", view.step, g.group_id, g.status, g.target,
+                 f" ({reason})" if reason else "")  # fmt: skip
+
+    async def seal(self, step: int, view: StepView) -> None:
+        skipped = [g.group_id for g in view.groups.values() if g.status == "skipped"]
+        n = len(view.groups) - len(skipped)
+        await self.b.seal(
+            StepSeal(
+                run=self.b.run,
+                step=step,
+                policy_version=step,
+                n_groups=n,
+                skipped=skipped,
+                created_at=time.time(),
+            )
+        )
+        log.info("step %d sealed: %d groups for the trainer, %d skipped", step, n, len(skipped))
+
+    # ------------------------------------------------------------------------------------ releases
+
+    async def release(self, step: int, plan: StepPlan, view: StepView, releases: list[Release]) -> None:
+        reqs: list[RolloutRequest] = []
+        share = plan.n_requests if self.policy.engine_queue else 0
+        for r in releases:
+            g = view.groups.get(r.group_id)
+            if g is None or r.n < 0 or r.n > g.unreleased:
+                raise PolicyError(f"{self.cc.policy}: {r} but the group has {g and g.unreleased} to release")
+            reqs += [self.request(step, g, s, share) for s in range(g.released, g.released + r.n)]
+        if await self.send(step, reqs):
+            for r in releases:
+                view.groups[r.group_id].released += r.n
+
+    async def send(self, step: int, reqs: list[RolloutRequest]) -> bool:
+        """Release ``reqs`` (one MULTI), after backpressure; False if nothing went (stopping, or none)."""
+        if not reqs:
+            return False
+        await self.wait_for_trainer(self.stop)
+        if self.stop.is_set():
+            return False
+        await self.b.release(step, reqs)
+        metrics.REQUESTS_RELEASED.inc(len(reqs))
+        metrics.STEP.labels("controller").set(step)
+        return True
+
+    def request(self, step: int, g: GroupView, s: int, share: int) -> RolloutRequest:
+        p: Prompt = self.prompts[g.prompt_index]
+        rc = self.cfg.rollout
+        return RolloutRequest(
             run=self.b.run,
             step=step,
             policy_version=step,
-            mode=cc.mode,
-            n_groups=cc.prompts_per_step,
-            group_size=cc.group_size,
-            minibatches=cc.minibatches,
-            created_at=time.time(),
+            request_id=f"{g.group_id}:{s}",
+            group_id=g.group_id,
+            prompt_index=g.prompt_index,
+            sample_index=s,
+            prompt=p.text,
+            answer=p.answer,
+            seed=(self.cc.seed * 1_000_003 + step * 10_007 + g.order * 101 + s) % (2**31),
+            max_new_tokens=rc.max_new_tokens,
+            temperature=rc.temperature,
+            minibatch_hint=g.minibatch,
+            queue_share_of=share,
+            released_at=time.time(),
         )
-        raw = self.b.encode(plan)
-        pipe = self.b.r.pipeline(transaction=True)
-        pipe.set(self.k.plan(step), raw)
-        pipe.xadd(self.k.control, {DATA: raw}, maxlen=self.b.maxlen, approximate=True)
-        await pipe.execute()
-        await self._release_rest(step, reqs, set(), stop)
-
-    async def _release_rest(
-        self, step: int, reqs: list[RolloutRequest], done: set[str], stop: asyncio.Event
-    ) -> None:
-        cc = self.cfg.controller
-        todo = [rq for rq in reqs if rq.request_id not in done]
-        if cc.mode in ("sync", "cgp"):
-            await self._release(step, todo)
-        else:
-            await self._release_fgd(step, reqs, stop, window=await self.use_window(step), done=done)
-        log.info("step %d: %d requests released (%s)", step, len(todo), cc.mode)
-
-    async def _release(self, step: int, reqs: list[RolloutRequest]) -> None:
-        if not reqs:
-            return
-        await self.wait_for_trainer(self.stop)
-        if self.stop.is_set():
-            return
-        now = time.time()
-        pipe = self.b.r.pipeline(transaction=True)  # released and recorded together, or neither
-        for rq in reqs:
-            rq.released_at = now
-            pipe.xadd(self.k.requests, {DATA: self.b.encode(rq)}, maxlen=self.b.maxlen, approximate=True)
-        pipe.incrby(self.k.released(step), len(reqs))
-        pipe.sadd(self.released_ids(step), *(rq.request_id for rq in reqs))
-        await pipe.execute()
-        metrics.REQUESTS_RELEASED.inc(len(reqs))
-        metrics.STEP.labels("controller").set(step)
-
-    async def use_window(self, step: int) -> bool:
-        """Hold later groups back only when the trainer, not the rollout, sets the step's end.
-
-        Holding groups back shortens decode steps for the frontier, so training starts sooner, but
-        costs engine throughput.  That pays off when training is long next to the rollout:
-        training time of the previous step >= ``fgd_window_min_train_ratio`` x the rollout makespan
-        of the last step run *without* the window (the window itself stretches the makespan, so
-        measuring under it would switch it off again).  With no such step yet the window is off.
-        """
-        cc = self.cfg.controller
-        if cc.fgd_lookahead <= 0:
-            return False
-        prev = await self.previous_metrics(step - 1)
-        if prev is None:
-            return False
-        if not self.window_on.get(step - 1, False) and prev.rollout_makespan_s > 0:
-            self.free_makespan = prev.rollout_makespan_s
-        if self.free_makespan is None:
-            return False
-        ratio = prev.train_busy_s / self.free_makespan
-        on = ratio >= cc.fgd_window_min_train_ratio
-        self.window_on[step] = on
-        log.info(
-            "step %d: training/rollout %.2f last step -> frontier window %s",
-            step,
-            ratio,
-            "on" if on else "off",
-        )
-        return on
-
-    async def previous_metrics(self, step: int) -> StepMetrics | None:
-        if step < 0:
-            return None
-        entries: Any = await self.b.r.xrevrange(self.k.control, count=64)
-        for _id, fields in entries or []:
-            try:
-                ev = self.b.codec.decode((fields or {}).get(DATA, b""))
-            except CodecError:
-                continue
-            if isinstance(ev, StepMetrics) and ev.step == step:
-                return ev
-        return None
-
-    async def _release_fgd(
-        self,
-        step: int,
-        reqs: list[RolloutRequest],
-        stop: asyncio.Event,
-        window: bool = True,
-        done: set[str] | None = None,
-    ) -> None:
-        """Admit as capacity frees, frontier groups first.
-
-        The frontier is the groups the trainer needs next.  Groups already under way come first, then
-        groups in mini-batch order, and only groups of the next ``fgd_lookahead`` mini-batches
-        beyond those already complete are admitted: generating far ahead of the trainer only
-        enlarges every engine's decode batch and slows the groups the trainer is waiting for.
-        ``fgd_lookahead: 0`` fills all free capacity with later groups.  ``done``: request ids a
-        previous controller already released (a restart); their groups count as under way.
-        """
-        cc = self.cfg.controller
-        gpm = cc.prompts_per_step // cc.minibatches
-        done = done or set()
-        by_group: OrderedDict[str, list[RolloutRequest]] = OrderedDict()
-        started: set[str] = set()
-        for rq in reqs:
-            if rq.request_id in done:
-                started.add(rq.group_id)
-            else:
-                by_group.setdefault(rq.group_id, []).append(rq)
-        released = len(reqs) - sum(len(v) for v in by_group.values())
-        cap = 0
-        cap_checked = 0.0
-        while by_group and not stop.is_set():
-            now = time.monotonic()
-            if now - cap_checked > 0.5 or cap == 0:
-                cap = await self.capacity()
-                cap_checked = now
-            finished = int(await self.b.r.get(self.k.finished(step)) or 0)
-            free = (cap or 1) + self.cfg.controller.fgd_slack - (released - finished)
-            if free <= 0:
-                await wait_event(stop, 0.005)
-                continue
-            limit = len(reqs)  # groups that may be under way
-            if window and cc.fgd_lookahead > 0:
-                complete = int(await self.b.r.scard(self.k.emitted(step)))
-                limit = (complete // gpm + cc.fgd_lookahead) * gpm
-            batch: list[RolloutRequest] = []
-            # frontier: groups already under way (finish them first), then groups in mini-batch order
-            order = sorted(by_group, key=lambda g: (g not in started, by_group[g][0].minibatch_hint))
-            for gid in order:
-                if gid not in started and len(started) >= limit:
-                    break
-                while free > 0 and by_group[gid]:
-                    batch.append(by_group[gid].pop(0))
-                    started.add(gid)
-                    free -= 1
-                if not by_group[gid]:
-                    del by_group[gid]
-                if free <= 0:
-                    break
-            if not batch:  # the window is closed until more groups complete
-                await wait_event(stop, 0.005)
-                continue
-            await self._release(step, batch)
-            released += len(batch)
 
 
 async def run_controller(cfg: Config, url: str, run: str, stop: asyncio.Event) -> int:

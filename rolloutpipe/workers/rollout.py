@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import socket
@@ -23,8 +22,8 @@ import time
 from collections.abc import Callable
 
 from rolloutpipe import metrics
-from rolloutpipe.broker.events import PolicyVersion, RolloutRequest, Sample
-from rolloutpipe.broker.streams import DATA, Broker, Entry, connect
+from rolloutpipe.broker.events import RolloutRequest, Sample
+from rolloutpipe.broker.streams import Broker, Entry, Groups, connect
 from rolloutpipe.config import Config
 from rolloutpipe.errors import WeightsVerificationError
 from rolloutpipe.runtime import close_client, wait_event
@@ -32,7 +31,7 @@ from rolloutpipe.workers.engines import Engine, make_engine
 from rolloutpipe.workers.task import import_string
 
 log = logging.getLogger("rolloutpipe.rollout")
-GROUP = "rollout"
+GROUP = Groups.ROLLOUT
 
 
 class RolloutWorker:
@@ -49,22 +48,24 @@ class RolloutWorker:
         self.samples = 0
         self._live = 1
         self._live_checked = 0.0
+        self.queue_share_of = 0  # of the last request read (see admission_limit)
+        self._closed: dict[int, tuple[float, set[str]]] = {}  # step -> (read at, closed group ids)
 
     async def admission_limit(self) -> int:
-        """Requests this worker may hold: engine slots, plus an engine-side queue in FIFO modes."""
+        """Requests this worker may hold: engine slots, plus an engine-side queue when the step allows.
+
+        A request says whether the policy released its whole step at once (``queue_share_of``: the
+        step's request count); then, like a router that dispatches every request on arrival, each
+        engine may take its share of the step into its own queue (``rollout.engine_queue: share``).
+        """
         cap = self.engine.capacity
-        if self.cfg.controller.mode == "cgp-fgd" or self.cfg.rollout.engine_queue == "none":
+        if self.queue_share_of <= 0 or self.cfg.rollout.engine_queue == "none":
             return cap
         now = time.monotonic()
         if now - self._live_checked > 0.5:
             self._live_checked = now
-            n = 0
-            async for _ in self.b.r.scan_iter(match=self.k.heartbeat_pattern(), count=100):
-                n += 1
-            self._live = max(1, n)
-        cc = self.cfg.controller
-        share = -(-cc.prompts_per_step * cc.group_size // self._live)
-        return max(cap, share)
+            self._live = max(1, len(await self.b.live_workers()))
+        return max(cap, -(-self.queue_share_of // self._live))
 
     async def heartbeat(self, stop: asyncio.Event) -> None:
         rc = self.cfg.rollout
@@ -79,19 +80,56 @@ class RolloutWorker:
                 "host": socket.gethostname(),
                 "t": time.time(),
             }
-            await self.b.r.set(self.k.heartbeat(self.id), json.dumps(info).encode(), ex=ttl)
+            await self.b.heartbeat(self.id, info, ttl)
             await self.b.touch(self.k.requests, GROUP, self.id, list(self.inflight))
+            await self.abort_closed()
             await wait_event(stop, rc.heartbeat_s)
-        await self.b.r.delete(self.k.heartbeat(self.id))
+        await self.b.drop_heartbeat(self.id)
+
+    async def abort_closed(self) -> None:
+        """Cancel requests of groups the controller closed or skipped: their samples would be discarded."""
+        by_step: dict[int, set[str]] = {}
+        for _, req in self.inflight_reqs.values():
+            by_step.setdefault(req.step, set()).add(req.group_id)
+        closed = {(st, g) for st, gids in by_step.items() for g in await self.closed_groups(st) & gids}
+        for eid, (entry, req) in list(self.inflight_reqs.items()):
+            task = self.inflight.get(eid)
+            if (req.step, req.group_id) not in closed or task is None or task.done():
+                continue
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            if task.cancelled():  # not published in the meantime
+                await self.drop(entry, req, f"aborted: group {req.group_id} was closed", "aborted_requests")
+
+    async def closed_groups(self, step: int, max_age_s: float = 0.1) -> set[str]:
+        """Groups of ``step`` closed or skipped, read at most every ``max_age_s``.
+
+        A request admitted in that window is cancelled at the next heartbeat, or its sample is
+        discarded by the aggregator: late news costs engine time, never correctness.
+        """
+        t, ids = self._closed.get(step, (0.0, set()))
+        if time.monotonic() - t > max_age_s:
+            ids = await self.b.closed_groups(step)
+            self._closed = {s: v for s, v in self._closed.items() if s >= step - 1}
+            self._closed[step] = (time.monotonic(), ids)
+        return ids
+
+    async def drop(
+        self, entry: Entry, req: RolloutRequest, why: str, counter: str = "fence_rejections"
+    ) -> None:
+        """A request not to generate (stale, or its group closed): dead-lettered, acknowledged, counted."""
+        v = req.policy_version
+        await self.b.dead_letter(
+            entry, why, step=req.step, policy_version=v, counter=counter, ack_group=GROUP
+        )
 
     async def ensure_version(self, want: int, stop: asyncio.Event) -> bool:
         """Load verified weights of version ``want`` (waiting for them to be published)."""
         while self.version < want and not stop.is_set():
-            raw = await self.b.r.get(self.k.version)
-            pv = self.b.codec.decode_as(raw, PolicyVersion) if raw else None
-            if pv is None or pv.policy_version < want:
-                await asyncio.sleep(0.01)
-                continue
+            pv = await self.b.wait_version(want, stop)
+            if pv is None:
+                break
             if self.inflight:
                 await self.retire_old_version(pv.policy_version)
             t0 = time.monotonic()
@@ -120,13 +158,11 @@ class RolloutWorker:
                 task.cancel()  # the engine aborts the request (vLLM: on cancellation)
             await asyncio.gather(*self.inflight.values(), return_exceptions=True)
             for _, (entry, req) in aborted:
-                await self.b.dead_letter(
+                await self.drop(
                     entry,
+                    req,
                     f"stale: aborted when policy version {new_version} was published",
-                    step=req.step,
-                    policy_version=req.policy_version,
-                    counter="aborted_requests",
-                    ack_group=GROUP,
+                    "aborted_requests",
                 )
             if aborted:
                 log.info("aborted %d requests of version %d", len(aborted), self.version)
@@ -138,14 +174,7 @@ class RolloutWorker:
             admitted = time.time()
             gen = await self.engine.generate(req)
             if self.version != req.policy_version:
-                await self.b.dead_letter(
-                    entry,
-                    f"weights changed to {self.version} during generation",
-                    step=req.step,
-                    policy_version=req.policy_version,
-                    counter="fence_rejections",
-                    ack_group=GROUP,
-                )
+                await self.drop(entry, req, f"weights changed to {self.version} during generation")
                 return
             reward = float(self.verifier(gen.text, req.answer))
             sample = Sample(
@@ -157,22 +186,18 @@ class RolloutWorker:
                 group_id=req.group_id,
                 prompt_index=req.prompt_index,
                 sample_index=req.sample_index,
-                group_size=req.group_size,
                 worker=self.id,
                 prompt_ids=gen.prompt_ids,
                 response_ids=gen.response_ids,
                 logprobs=gen.logprobs,
                 reward=reward,
                 finish_reason=gen.finish_reason,
+                temperature=req.temperature,
                 released_at=req.released_at,
                 admitted_at=admitted,
                 finished_at=time.time(),
             )
-            pipe = self.b.r.pipeline(transaction=True)
-            pipe.xadd(self.k.samples, {DATA: self.b.encode(sample)}, maxlen=self.b.maxlen, approximate=True)
-            pipe.xack(self.k.requests, GROUP, entry.id)
-            pipe.incr(self.k.finished(req.step))
-            await pipe.execute()
+            await self.b.publish_sample(sample, entry.id)
             self.samples += 1
             metrics.SAMPLES.labels("rollout").inc()
             metrics.GENERATION.observe(sample.finished_at - admitted)
@@ -197,17 +222,18 @@ class RolloutWorker:
         if ev.policy_version > self.version and not await self.ensure_version(ev.policy_version, stop):
             return  # stopping; the entry stays pending and will be reclaimed
         if ev.policy_version < self.version:
-            await self.b.dead_letter(
-                entry,
-                f"stale request: policy_version {ev.policy_version} < worker's {self.version}",
-                step=ev.step,
-                policy_version=ev.policy_version,
-                counter="fence_rejections",
-                ack_group=GROUP,
+            await self.drop(
+                entry, ev, f"stale request: policy_version {ev.policy_version} < worker's {self.version}"
             )
             return
         if entry.id in self.inflight:
             return
+        if ev.group_id in await self.closed_groups(ev.step):
+            await self.drop(
+                entry, ev, f"aborted: group {ev.group_id} was closed before admission", "aborted_requests"
+            )
+            return
+        self.queue_share_of = ev.queue_share_of
         self.inflight_reqs[entry.id] = (entry, ev)
         self.inflight[entry.id] = asyncio.create_task(self.handle(entry, ev))
         metrics.INFLIGHT.set(len(self.inflight))
@@ -221,7 +247,7 @@ class RolloutWorker:
         backlog = await self.b.read(self.k.requests, GROUP, self.id, count=10_000, block_ms=1, start="0")
         last_claim = 0.0
         try:
-            while not stop.is_set() and not await self.b.r.exists(self.k.done):
+            while not stop.is_set() and not await self.b.is_done():
                 free = await self.admission_limit() - len(self.inflight)
                 if free <= 0:
                     await asyncio.sleep(0.002)

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from rolloutpipe.broker.events import FrontierStatus, Group, Sample
+from rolloutpipe.broker.events import AllocationRecord, FrontierStatus, Group, Sample
 from rolloutpipe.config import Config
 from rolloutpipe.trainer.grpo import group_advantages
 
@@ -53,12 +53,12 @@ def make_groups(cfg: Config, step: int, rng: np.random.Generator) -> list[Group]
                 group_id=gid,
                 prompt_index=gi,
                 sample_index=i,
-                group_size=n,
                 worker="test",
                 prompt_ids=prompt,
                 response_ids=r,
                 logprobs=(logp[i, : len(r)].numpy() + rng.normal(0, 0.3, len(r))).astype(np.float32),
                 reward=float(rewards[i]),
+                temperature=cfg.rollout.temperature,  # the logprobs above are at the config's temperature
                 admitted_at=now,
                 finished_at=now,
             )
@@ -81,6 +81,7 @@ def make_groups(cfg: Config, step: int, rng: np.random.Generator) -> list[Group]
                 samples=samples,
                 advantages=adv,
                 frontier=frontier,
+                allocation=AllocationRecord(initial=n, counts=[n]),
                 completed_at=now,
             )
         )

@@ -38,7 +38,7 @@ pytest.importorskip("deepspeed")
 pytestmark = [pytest.mark.deepspeed, pytest.mark.timeout(600)]
 
 from rolloutpipe.broker.codec import DEFAULT_CODEC  # noqa: E402
-from rolloutpipe.broker.events import StepPlan  # noqa: E402
+from rolloutpipe.broker.events import GroupPlan, StepPlan  # noqa: E402
 from rolloutpipe.broker.streams import DATA, Keys  # noqa: E402
 from rolloutpipe.config import Config  # noqa: E402
 from tests.conftest import ROOT, make_config  # noqa: E402
@@ -196,17 +196,20 @@ def test_trainer_under_torchrun(
                     run=cfg.run,
                     step=step,
                     policy_version=step,
-                    mode="cgp",
-                    n_groups=GROUPS,
-                    group_size=G,
+                    policy="fifo",
+                    groups=[GroupPlan(group_id=g.group_id, prompt_index=g.prompt_index, n=len(g.samples))
+                            for g in groups],
                     minibatches=GROUPS // GPM,
+                    groups_per_minibatch=GPM,
                     created_at=time.time(),
-                )
+                )  # fmt: skip
+                assert plan.n_groups == GROUPS
                 r.set(keys.plan(step), DEFAULT_CODEC.encode(plan))
                 for g in groups:
                     r.xadd(keys.groups, {DATA: DEFAULT_CODEC.encode(g)})
             _wait(r, cfg, STEPS, proc, log)
-            rc = proc.wait(120)  # controller.steps reached: rank 0 returns, rank 1 is told to stop
+            r.set(keys.done, b"1")  # what the controller does after its last step
+            rc = proc.wait(120)  # the run is done: rank 0 returns, rank 1 is told to stop
         finally:
             if proc.poll() is None:
                 proc.kill()

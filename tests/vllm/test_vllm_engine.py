@@ -89,7 +89,6 @@ def request(run: str, version: int, name: str, prompt: str, temperature: float, 
         group_id=name,
         prompt_index=0,
         sample_index=0,
-        group_size=1,
         prompt=prompt,
         answer="0",
         seed=seed,
@@ -260,6 +259,7 @@ class TestRolloutWorker:
         for r in reqs:
             s = got[r.request_id]
             assert s.policy_version == 0 and s.worker == "vllm-w"
+            assert s.temperature == r.temperature  # the trainer recomputes logprobs at the sample's own
             np.testing.assert_array_equal(s.prompt_ids, CODEC.encode_prompt(r.prompt))
             assert 1 <= len(s.response_ids) <= r.max_new_tokens
             assert s.finish_reason == ("stop" if s.response_ids[-1] == EOS else "length")

@@ -18,7 +18,7 @@ def make_engine(cfg: Config) -> Engine:
     if cfg.rollout.engine == "emulated":
         from rolloutpipe.workers.engines.emulated import EmulatedEngine
 
-        return EmulatedEngine(cfg.rollout.emulated, seed=cfg.controller.seed)
+        return EmulatedEngine(cfg.rollout.emulated, seed=cfg.rollout.seed)
     if cfg.rollout.engine == "vllm":
         from rolloutpipe.workers.engines.vllm_engine import VllmEngine
 

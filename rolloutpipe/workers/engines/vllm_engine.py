@@ -92,7 +92,7 @@ class VllmEngine:
             "tensor_parallel_size": vc.tensor_parallel_size,
             "enforce_eager": vc.enforce_eager,
             "enable_prefix_caching": vc.enable_prefix_caching,
-            "seed": self.cfg.controller.seed,
+            "seed": self.cfg.rollout.seed,
             "disable_log_stats": True,
             **vc.extra_args,
             "model": str(ensure_model(self.cfg.model)),

@@ -1,0 +1,14 @@
+"""FIFO: every request of the step released at once, in dataset order (slime's and verl's loop).
+
+Engines admit in that order; an engine may queue its share of the step (``rollout.engine_queue``),
+as a router that dispatches every request on arrival does.  With ``trainer.schedule: barrier``
+this is ``sync``; with ``pipelined`` it is ``cgp``.
+"""
+
+from __future__ import annotations
+
+from rolloutpipe.workers.policies.base import BasePolicy
+
+
+class FifoPolicy(BasePolicy):
+    """G samples per prompt, all released at once: ``BasePolicy`` as it is."""
