@@ -8,6 +8,8 @@ while the window is on).
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from rolloutpipe.config import ControllerConfig
@@ -140,3 +142,23 @@ def test_make_policy_by_name_by_path_and_bad_names() -> None:
         make_policy(cfg(policy="fgd", policy_args={"lookahaed": 2}))
     with pytest.raises(ConfigError, match="takes no policy_args"):
         make_policy(cfg(policy="fifo", policy_args={"x": 1}))
+
+
+def test_a_policy_that_leaves_a_complete_group_open_is_an_error_not_a_hang() -> None:
+    from types import SimpleNamespace
+
+    from rolloutpipe.errors import PolicyError
+    from rolloutpipe.workers.controller import Controller
+
+    p = FifoPolicy(cfg())
+    view = view_for(p, info())
+    ctl: Any = SimpleNamespace(cc=SimpleNamespace(policy="mine"))
+    g = view.groups["1:0"]
+    g.final, g.status, g.completed = False, "open", g.target  # complete, not final: a decision is due
+    for other in list(view.groups.values())[1:]:
+        other.emitted = True
+    view.groups["1:1"].emitted = False  # still to report: news may come, so not stuck yet
+    Controller.check_not_stuck(ctl, view)
+    view.groups["1:1"].emitted = True
+    with pytest.raises(PolicyError, match=r"\['1:0'\].*must extend, finalize, close or skip"):
+        Controller.check_not_stuck(ctl, view)

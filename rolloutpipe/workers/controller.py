@@ -256,6 +256,7 @@ class Controller:
                     assert isinstance(ev, GroupStats)
                     await self.on_stats(view, ev)
                     await self.b.ack(self.b.keys.feedback, Groups.CONTROLLER, e.id)
+            self.check_not_stuck(view)
             if any(g.unreleased for g in view.groups.values()):
                 if time.monotonic() - cap_at > CAPACITY_EVERY_S or cap == 0:
                     cap, cap_at = await self.b.capacity(), time.monotonic()
@@ -270,6 +271,16 @@ class Controller:
                     sealed = True
                 log.info("step %d: every request released, every count final (%s)", step, self.cc.policy)
                 return
+
+    def check_not_stuck(self, view: StepView) -> None:
+        """A group left open with every sample complete, and no other news to come, would wait forever."""
+        groups = view.groups.values()
+        waiting = [g.group_id for g in groups if g.waiting]
+        if waiting and all(g.waiting or g.emitted or g.status == "skipped" for g in groups):
+            raise PolicyError(
+                f"{self.cc.policy}: groups {waiting} of step {view.step} are complete but not final, and no "
+                "other group will report again: on_stats must extend, finalize, close or skip them"
+            )
 
     async def on_stats(self, view: StepView, ev: GroupStats) -> None:
         """Feedback on one group: record it, and give the policy its turn if the group is this step's."""
