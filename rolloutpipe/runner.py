@@ -250,6 +250,9 @@ def write_report(cfg: Config, metrics: list[StepMetrics], out: Path) -> Path:
         "median_trainer_wait_ratio": _median([m.trainer_wait_ratio for m in metrics]),
         "fence_rejections": sum(m.fence_rejections for m in metrics),
         "dead_letters": sum(m.dead_letters for m in metrics),
+        "samples": sum(m.samples for m in metrics),  # trained: the rollouts that counted
+        "groups_skipped": sum(m.groups_skipped for m in metrics),
+        "samples_wasted": sum(m.samples_wasted for m in metrics),
     }
     (out / "report.json").write_text(json.dumps(rep, indent=2))
     try:

@@ -86,6 +86,8 @@ def test_mixed_sizes_extend_close_skip_and_refill_train_end_to_end(
         aborted = int(sr.hget(k.stats, f"aborted_requests:{step}") or 0)
         discarded = int(sr.hget(k.stats, f"discarded_samples:{step}") or 0)
         assert aborted + discarded == 4 + len(extra4), (aborted, discarded, sorted(extra4))
+        # every released request is counted finished, aborted ones too: their engine slots are free
+        assert int(sr.get(k.finished(step)) or 0) == len(released)
         assert int(sr.hget(k.stats, f"groups_closed:{step}") or 0) == 1
         assert int(sr.hget(k.stats, f"groups_skipped:{step}") or 0) == 1
     assert int(sr.hget(k.stats, "duplicate_groups") or 0) == 0

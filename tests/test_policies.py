@@ -162,3 +162,14 @@ def test_a_policy_that_leaves_a_complete_group_open_is_an_error_not_a_hang() -> 
     view.groups["1:1"].emitted = True
     with pytest.raises(PolicyError, match=r"\['1:0'\].*must extend, finalize, close or skip"):
         Controller.check_not_stuck(ctl, view)
+
+
+def test_fgd_window_does_not_count_skipped_groups_as_under_way() -> None:
+    """A skipped group never reaches the trainer: counted as under way, it would hold the window
+    shut for good (a refill could never start)."""
+    p = FrontierPolicy(cfg(fgd_lookahead=1))
+    view = view_for(p, info(prev=PrevStep(0, train_busy_s=10.0, rollout_makespan_s=10.0)))
+    apply(view, p.admit(view, free=100))  # mini-batch 0's two groups
+    for gid in ("1:0", "1:1"):
+        view.groups[gid].status = "skipped"  # both skipped; nothing emitted
+    assert p.admit(view, free=100) == [Release("1:2", 4), Release("1:3", 4)]

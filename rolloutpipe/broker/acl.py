@@ -49,7 +49,7 @@ ROLE_RULES: dict[str, list[str]] = {
     ],
     "trainer": [
         "~rp:*:groups", "~rp:*:control", "~rp:*:version", "~rp:*:dlq", "~rp:*:stats",
-        "~rp:*:consumed:*", "%R~rp:*:plan:*", "%R~rp:*:done",
+        "~rp:*:consumed:*", "%R~rp:*:plan:*", "%R~rp:*:done", "%R~rp:*:released:*",
         "-@all", "+@connection", *_TX, "+xadd", "+xreadgroup", "+xack", "+xgroup|create", "+xread",
         "+xrevrange", "+get", "+set", "+exists", "+sadd", "+smembers", "+hincrby", "+hget",
     ],

@@ -274,6 +274,10 @@ class StepMetrics(Event):
     dispatch_latency_p50_s: float
     dispatch_latency_p99_s: float
     admission_latency_p50_s: float = 0.0  # request released -> admitted into an engine
+    # allocation: groups the policy skipped, and rollouts released for the step that were not
+    # trained (a skipped group's, a closed group's beyond its count: aborted or discarded)
+    groups_skipped: int = 0
+    samples_wasted: int = 0
     minibatches: list[list[str]] = Field(default_factory=list)
     step_start: float = 0.0
     train_end: float = 0.0

@@ -288,11 +288,13 @@ class Broker:
         payload: bytes | None = None,
         counter: str = "dead_letters",
         ack_group: str | None = None,
+        finished: bool = False,
     ) -> None:
         """Write to ``dlq`` with a reason and count it.  Never silent.
 
         With ``ack_group`` the entry is acknowledged in the same transaction, so it is either still
-        pending (and will be looked at again) or dead-lettered, never both or neither.
+        pending (and will be looked at again) or dead-lettered, never both or neither.  With
+        ``finished`` (a request a worker drops) the step's ``finished`` counter counts it too.
         """
         dl = DeadLetter(
             run=self.run,
@@ -309,6 +311,8 @@ class Broker:
         pipe.xadd(self.keys.dlq, {DATA: self.encode(dl)}, maxlen=self.maxlen, approximate=True)
         if ack_group is not None and entry is not None:
             pipe.xack(entry.stream, ack_group, entry.id)
+        if finished and step >= 0:  # a request dropped by a worker frees its engine slot
+            pipe.incr(self.keys.finished(step))
         pipe.hincrby(self.keys.stats, "dead_letters", 1)
         if counter != "dead_letters":
             pipe.hincrby(self.keys.stats, counter, 1)
@@ -469,6 +473,10 @@ class Broker:
 
     async def released_ids(self, step: int) -> set[str]:
         return {_s(x) for x in await self.r.smembers(self.keys.released_ids(step))}
+
+    async def released_count(self, step: int) -> int:
+        """Requests of ``step`` released so far (final once the step's counts are all final)."""
+        return int(await self.r.get(self.keys.released(step)) or 0)
 
     async def finished(self, step: int) -> int:
         """Requests of ``step`` whose sample was published (the workers' counter)."""

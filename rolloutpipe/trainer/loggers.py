@@ -26,6 +26,8 @@ def step_scalars(m: StepMetrics) -> dict[str, float]:
         "rollout/groups": float(m.groups),
         "rollout/fence_rejections": float(m.fence_rejections),
         "rollout/dead_letters": float(m.dead_letters),
+        "rollout/groups_skipped": float(m.groups_skipped),
+        "rollout/samples_wasted": float(m.samples_wasted),
         "perf/wait_time_ratio": m.trainer_wait_ratio,
         "perf/step_time": m.rollout_to_train_end_s,
         "perf/rollout_time": m.rollout_makespan_s,

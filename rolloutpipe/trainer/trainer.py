@@ -271,6 +271,8 @@ class Trainer:
             "busy": clock.busy_intervals,
             "groups": clock.groups,
         }
+        if not consumed:  # every group skipped: the step is its plan's age, with nothing trained
+            clock.step_start = clock.first_read = clock.rollout_end = min(plan.created_at, train_end)
         window = max(train_end - clock.step_start, 1e-9)
         lat = np.asarray(clock.latencies or [0.0])
         m = StepMetrics(
@@ -287,6 +289,8 @@ class Trainer:
             tokens=clock.tokens,
             fence_rejections=await self.b.stat("fence_rejections", step),
             dead_letters=await self.b.stat("dead_letters", step),
+            groups_skipped=await self.b.stat("groups_skipped", step),
+            samples_wasted=max(0, await self.b.released_count(step) - clock.samples),
             train_busy_s=clock.busy,
             rollout_makespan_s=clock.rollout_end - clock.step_start,
             last_minibatch_train_s=clock.last_mb,

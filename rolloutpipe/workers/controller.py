@@ -394,6 +394,7 @@ class Controller:
             final=final,
             status="final" if final else "open",
             counts=[n],
+            added=True,
         )
         view.groups[g.group_id] = g
         return g

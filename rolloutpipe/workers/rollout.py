@@ -118,10 +118,11 @@ class RolloutWorker:
     async def drop(
         self, entry: Entry, req: RolloutRequest, why: str, counter: str = "fence_rejections"
     ) -> None:
-        """A request not to generate (stale, or its group closed): dead-lettered, acknowledged, counted."""
+        """A request not to generate (stale, or its group closed): dead-lettered, acknowledged, counted,
+        and counted as finished, so the controller sees its engine slot free again."""
         v = req.policy_version
         await self.b.dead_letter(
-            entry, why, step=req.step, policy_version=v, counter=counter, ack_group=GROUP
+            entry, why, step=req.step, policy_version=v, counter=counter, ack_group=GROUP, finished=True
         )
 
     async def ensure_version(self, want: int, stop: asyncio.Event) -> bool:

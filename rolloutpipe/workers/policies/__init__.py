@@ -15,6 +15,9 @@ from rolloutpipe.workers.policies.base import Policy
 BUILTIN = {
     "fifo": "rolloutpipe.workers.policies.fifo:FifoPolicy",
     "fgd": "rolloutpipe.workers.policies.fgd:FrontierPolicy",
+    "dynamic-sampling": "rolloutpipe.workers.policies.dynamic_sampling:DynamicSamplingPolicy",
+    "vigor": "rolloutpipe.workers.policies.vigor:VigorPolicy",
+    "pilot-commit": "rolloutpipe.workers.policies.pilot_commit:PilotCommitPolicy",
 }
 
 

@@ -91,6 +91,7 @@ class GroupView:
     released: int = 0
     completed: int = 0  # samples 0..completed-1 are complete (the last GroupStats)
     emitted: bool = False
+    added: bool = False  # added to the step by the policy (AddGroup), not planned
     counts: list[int] = field(default_factory=list)  # the initial count, then after each extend or close
     revision: int = 0  # decisions taken on the group
     rewards: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))

@@ -66,7 +66,8 @@ class FrontierPolicy(BasePolicy):
         limit = len(view.groups)  # groups that may be under way
         if self.window:
             limit = (view.emitted // gpm + self.lookahead) * gpm
-        started = sum(1 for g in view.groups.values() if g.started)
+        # groups under way: started and still to reach the trainer (a skipped group never will)
+        started = sum(1 for g in view.groups.values() if g.started and g.status != "skipped")
         todo = [g for g in view.groups.values() if g.unreleased]
         out: list[Release] = []
         for g in sorted(todo, key=lambda g: (not g.started, g.minibatch, g.order)):
