@@ -202,6 +202,9 @@ class Allocation(Event):
     prompt_index: int
     n: int = Field(ge=0)  # samples 0..n-1 belong to the group
     completed: int = Field(default=0, ge=0)  # samples 0..completed-1 were complete at the decision
+    # their rewards and lengths: what the policy decided on, given back to a restarted controller
+    rewards: Float32Array = Field(default_factory=lambda: np.zeros(0, np.float32))
+    lengths: Int32Array = Field(default_factory=lambda: np.zeros(0, np.int32))
     final: bool
     status: AllocStatus
     reason: str = ""

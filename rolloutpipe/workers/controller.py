@@ -233,7 +233,7 @@ class Controller:
         for gid, a in sorted((await self.b.allocations(step)).items(), key=lambda x: x[1].minibatch_hint):
             g = view.groups.get(gid) or self.add_view(view, a.prompt_index, a.initial, a.final, gid)
             g.target, g.final, g.status, g.counts = a.n, a.final, a.status, list(a.counts)
-            g.revision, g.completed = a.revision, a.completed  # rewards come again with the next round
+            g.revision, g.completed, g.rewards, g.lengths = a.revision, a.completed, a.rewards, a.lengths
         for rid in await self.b.released_ids(step):
             gid, _, _ = rid.rpartition(":")
             if gid in view.groups:
@@ -409,6 +409,8 @@ class Controller:
             prompt_index=g.prompt_index,
             n=g.target,
             completed=g.completed,
+            rewards=g.rewards,
+            lengths=g.lengths,
             final=g.final,
             status=g.status,
             reason=reason,
