@@ -173,3 +173,12 @@ def test_fgd_window_does_not_count_skipped_groups_as_under_way() -> None:
     for gid in ("1:0", "1:1"):
         view.groups[gid].status = "skipped"  # both skipped; nothing emitted
     assert p.admit(view, free=100) == [Release("1:2", 4), Release("1:3", 4)]
+
+
+def test_fifo_late_releases_like_fifo_but_without_engine_queues() -> None:
+    from rolloutpipe.workers.policies.fifo import LateFifoPolicy
+
+    late, fifo = make_policy(cfg(policy="fifo-late")), FifoPolicy(cfg())
+    assert isinstance(late, LateFifoPolicy)
+    assert late.admit(view_for(late, info()), free=0) == fifo.admit(view_for(fifo, info()), free=0)
+    assert fifo.engine_queue and not late.engine_queue  # requests carry queue_share_of 0: slots only

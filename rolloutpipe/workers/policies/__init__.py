@@ -14,6 +14,7 @@ from rolloutpipe.workers.policies.base import Policy
 
 BUILTIN = {
     "fifo": "rolloutpipe.workers.policies.fifo:FifoPolicy",
+    "fifo-late": "rolloutpipe.workers.policies.fifo:LateFifoPolicy",
     "fgd": "rolloutpipe.workers.policies.fgd:FrontierPolicy",
     "dynamic-sampling": "rolloutpipe.workers.policies.dynamic_sampling:DynamicSamplingPolicy",
     "vigor": "rolloutpipe.workers.policies.vigor:VigorPolicy",

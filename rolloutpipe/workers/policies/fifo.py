@@ -12,3 +12,14 @@ from rolloutpipe.workers.policies.base import BasePolicy
 
 class FifoPolicy(BasePolicy):
     """G samples per prompt, all released at once: ``BasePolicy`` as it is."""
+
+
+class LateFifoPolicy(FifoPolicy):
+    """FIFO release, late assignment: engines admit only into free slots, with no per-engine share.
+
+    The control that separates load balancing from admission order: it releases like ``fifo`` but
+    binds a request to an engine only when that engine has a free slot, as FGD does, without FGD's
+    frontier order or window.
+    """
+
+    engine_queue = False
