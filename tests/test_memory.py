@@ -176,12 +176,17 @@ def test_slope_ignores_one_jump_and_reports_a_steady_leak() -> None:
 
 
 @pytest.mark.slow
-def test_memory_stays_flat_over_150_steps(tmp_path: Path) -> None:
-    steps = 150
+def test_memory_stays_flat_over_300_steps(tmp_path: Path) -> None:
+    # 300 steps, fitted from step 50: a role's RSS also grows in episodes of ~0.3 MB (seen in
+    # rollout workers, before and after the scheduler seam) that are not leaks: a 450-step run
+    # gave 9 and 387 B/step over steps 150-450.  Over the 100 steps fitted before, one episode
+    # read as 3.0-3.3 KB/step in 2 of 4 CI runs; over 250 steps it reads as ~1.2 KB/step, while a
+    # leak of one sample a step stays above the bound however long the window.
+    steps = 300
     cfg = make_config(tmp_path, "mem", *EMULATED_FAST, f"controller.steps={steps}")
-    samples = measure(cfg, every=1, timeout_s=240)
-    late = [s for s in samples if s.step >= steps // 3]
-    assert len(late) >= 50 and late[-1].step >= steps - 5
+    samples = measure(cfg, every=1, timeout_s=480)
+    late = [s for s in samples if s.step >= 50]
+    assert len(late) >= 200 and late[-1].step >= steps - 5
     redis_slope = _slope(late, [s.used_memory for s in late])
     assert redis_slope < REDIS_BOUND_B_PER_STEP, f"Redis used_memory grows {redis_slope:.0f} B/step"
     assert max(s.keys for s in late) < 100  # per-step keys of only keep_steps steps
