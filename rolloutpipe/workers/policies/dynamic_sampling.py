@@ -58,8 +58,8 @@ class DynamicSamplingPolicy(FrontierPolicy):
     OWN = ("oversample", "max_refills")
 
     def __init__(self, cfg: ControllerConfig, **args: Any) -> None:
-        own = {k: args.pop(k) for k in self.OWN if k in args}
         super().__init__(cfg, **args)
+        own = self.args
         self.oversample = float(own.get("oversample", 1.0))
         self.max_refills = int(own.get("max_refills", 2 * cfg.prompts_per_step))
         if self.oversample < 1.0 or self.max_refills < 0:

@@ -26,11 +26,14 @@ log = logging.getLogger("rolloutpipe.controller")
 class FrontierPolicy(BasePolicy):
     engine_queue = False  # engines admit only into free slots: a queue would undo the order
 
+    OWN: tuple[str, ...] = ()  # a subclass's own policy_args, handed to it in ``self.args``
+
     def __init__(self, cfg: ControllerConfig, **args: Any) -> None:
         super().__init__(cfg)
-        unknown = set(args) - {"lookahead", "slack", "window_min_train_ratio"}
+        unknown = set(args) - {"lookahead", "slack", "window_min_train_ratio", *self.OWN}
         if unknown:
-            raise ConfigError(f"fgd: unknown policy_args {sorted(unknown)}")
+            raise ConfigError(f"{type(self).__name__}: unknown policy_args {sorted(unknown)}")
+        self.args = {k: v for k, v in args.items() if k in self.OWN}
         self.lookahead = int(args.get("lookahead", cfg.fgd_lookahead))
         self.slack = int(args.get("slack", cfg.fgd_slack))
         self.min_ratio = float(args.get("window_min_train_ratio", cfg.fgd_window_min_train_ratio))

@@ -52,8 +52,8 @@ class PilotCommitPolicy(FrontierPolicy):
     OWN = ("n_pilot", "n_commit", "min_pass_rate", "max_pass_rate", "commit_frac")
 
     def __init__(self, cfg: ControllerConfig, **args: Any) -> None:
-        own = {k: args.pop(k) for k in self.OWN if k in args}
         super().__init__(cfg, **args)
+        own = self.args
         G = cfg.group_size
         self.n_pilot = int(own.get("n_pilot", max(2, G // 4)))
         self.n_commit = int(own.get("n_commit", max(0, G - self.n_pilot)))

@@ -58,8 +58,8 @@ class VigorPolicy(FrontierPolicy):
     OWN = ("n0", "budget", "round", "top_frac")
 
     def __init__(self, cfg: ControllerConfig, **args: Any) -> None:
-        own = {k: args.pop(k) for k in self.OWN if k in args}
         super().__init__(cfg, **args)
+        own = self.args
         G = cfg.group_size
         self.n0 = int(own.get("n0", max(2, G // 4)))
         self.budget = float(own.get("budget", G))
