@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from rolloutpipe.config import MODES, Config, load_config
-from rolloutpipe.errors import RolloutPipeError
+from rolloutpipe.errors import ConfigError, RolloutPipeError
 from rolloutpipe.runtime import run_async, setup_logging
 
 log = logging.getLogger("rolloutpipe.cli")
@@ -38,7 +38,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="runs/bench")
     bench.add_argument("--steps", type=int)
     bench.add_argument("--redis-url", default="")
-    bench.add_argument("--suite", default="", help="a suite under configs/bench/ (e.g. paper)")
+    bench.add_argument("--suite", default="", help="a suite under configs/bench/ (paper, allocation)")
+    bench.add_argument(
+        "--quick", action="store_true", help="allocation: one seed, a few steps (checks the path)"
+    )
     bench.add_argument("--scale", type=float, help="wall seconds per emulated second (overrides the config)")
     bench.add_argument("--no-progress", action="store_true")
     bench.add_argument("overrides", nargs="*", help="dotted.key=value")
@@ -160,9 +163,25 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from rolloutpipe.allocation_bench import is_allocation_suite, run_allocation
     from rolloutpipe.bench import run_bench
 
     setup_logging("WARNING", "bench")
+    if args.suite and is_allocation_suite(args.suite):
+        extra = [*args.overrides, *([f"controller.steps={args.steps}"] if args.steps is not None else [])]
+        table, where = run_allocation(
+            args.suite,
+            Path(args.out),
+            extra,
+            url=args.redis_url,
+            progress=not args.no_progress,
+            quick=args.quick,
+        )
+        print(table)
+        print(f"\n{where}", file=sys.stderr)
+        return 0
+    if args.quick:
+        raise ConfigError("--quick is for allocation suites (--suite allocation)")
     table, where = run_bench(
         args.config or None,
         Path(args.out),

@@ -48,6 +48,18 @@ class TaskConfig(_Section):
     seed: int = 0
 
 
+class WarmStartConfig(_Section):
+    """A base model for RL: ``steps`` of supervised training on ``dataset``'s train split, done once
+    when the tiny model is built and cached with it (``policy.ensure_model``).  RLVR starts from a
+    model that solves some prompts; a random tiny model solves none of a multi-token task."""
+
+    steps: int = Field(default=0, ge=0)  # 0: the randomly initialised model, as built
+    dataset: str = ""  # a dotted dataset path with a split (``task.py``); empty: task.dataset's
+    lr: float = 1e-3
+    batch_size: int = Field(default=64, ge=1)
+    seed: int = 0
+
+
 class ModelConfig(_Section):
     """The tiny Qwen3-architecture policy built locally (no download)."""
 
@@ -64,6 +76,18 @@ class ModelConfig(_Section):
     intermediate_size: int = 128
     seed: int = 0
     cache_dir: str = "~/.cache/rolloutpipe/models"
+    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
+
+
+class EvalConfig(_Section):
+    """Held-out reward: the trainer scores the weights it just made on the dataset's ``eval`` split,
+    every ``every`` steps, before publishing them.  Sampling uses fixed seeds at the rollout's
+    temperature, so two versions are scored on the same random draws."""
+
+    every: int = Field(default=0, ge=0)  # 0: off; needs a dataset with split="eval"
+    num_prompts: int = Field(default=256, ge=1)
+    samples_per_prompt: int = Field(default=1, ge=1)
+    seed: int = 0
 
 
 class EmulatedEngineConfig(_Section):
@@ -265,8 +289,19 @@ class Config(BaseSettings):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     redis: RedisConfig = Field(default_factory=RedisConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+    @model_validator(mode="after")
+    def _warm_start_dataset(self) -> Config:
+        """The base model is warm-started on the task's own train split unless told otherwise."""
+        ws = self.model.warm_start
+        if ws.steps and self.model.path:
+            raise ValueError("model.warm_start is for the built tiny model; model.path names a checkpoint")
+        if ws.steps and not ws.dataset:
+            ws.dataset = self.task.dataset
+        return self
 
     @model_validator(mode="after")
     def _apply_preset(self) -> Config:

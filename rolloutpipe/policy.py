@@ -40,6 +40,10 @@ def build_tokenizer() -> Any:
     )
 
 
+class PickToken(Protocol):
+    def __call__(self, i: int, last: torch.Tensor) -> tuple[int, float]: ...
+
+
 class TextCodec(Protocol):
     """Prompt text -> token ids (BOS/chat template included); response ids -> text."""
 
@@ -110,6 +114,8 @@ def _model_key(cfg: ModelConfig) -> str:
     d = cfg.model_dump()
     for k in ("path", "cache_dir", "tokenizer", "chat_template"):
         d.pop(k)
+    if not cfg.warm_start.steps:  # the randomly initialised model keeps the key it always had
+        d.pop("warm_start")
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -140,6 +146,8 @@ def ensure_model(cfg: ModelConfig) -> Path:
         tie_word_embeddings=False,
     )
     model = Qwen3ForCausalLM(mcfg)
+    if cfg.warm_start.steps:
+        warm_start(model, cfg)
     tmp = root / f".tmp-{os.getpid()}-{path.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -151,6 +159,73 @@ def ensure_model(cfg: ModelConfig) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("built tiny Qwen3 model at %s", path)
     return path
+
+
+def warm_start(model: torch.nn.Module, cfg: ModelConfig) -> None:
+    """Supervised steps on (prompt, answer + EOS) pairs of the warm-start dataset's train split,
+    cross-entropy on the answer tokens only: the base model that RL starts from."""
+    import torch
+
+    from rolloutpipe.workers.task import load_dataset
+
+    ws = cfg.warm_start
+    data = load_dataset(ws.dataset, ws.steps * ws.batch_size, ws.seed, split="train")
+    codec = CharCodec()
+    torch.manual_seed(ws.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=ws.lr)
+    model.train()
+    for i in range(ws.steps):
+        rows = data[i * ws.batch_size : (i + 1) * ws.batch_size]
+        prompts = [codec.encode_prompt(p.text) for p in rows]
+        answers = [np.append(codec.encode_prompt(p.answer)[1:], EOS).astype(np.int32) for p in rows]
+        logp, mask = response_logprobs(model, prompts, answers)
+        loss = -(logp * mask).sum() / mask.sum()
+        opt.zero_grad()
+        loss.backward()  # type: ignore[no-untyped-call]
+        opt.step()
+    model.eval()
+    log.info("warm-started the tiny model: %d steps on %s (loss %.3f)", ws.steps, ws.dataset, loss.item())
+
+
+def decode_batch(
+    model: torch.nn.Module, prompts: list[np.ndarray], max_new: list[int], eos: int, pick: PickToken
+) -> tuple[list[list[int]], list[list[float]]]:
+    """Autoregressive decoding of a batch, without a KV cache (the model is tiny): ``pick(i, logits)``
+    chooses request i's next token from its last logits and returns it with its logprob.  A request
+    stops at EOS or after ``max_new[i]`` tokens.  Returns the token ids and their logprobs."""
+    import torch
+
+    resp: list[list[int]] = [[] for _ in prompts]
+    lps: list[list[float]] = [[] for _ in prompts]
+    active = [i for i in range(len(prompts)) if max_new[i] > 0]
+    with torch.no_grad():
+        while active:
+            seqs = [np.concatenate([prompts[i], np.asarray(resp[i], np.int32)]) for i in active]
+            ids, mask = pad_right(seqs)
+            logits = model(input_ids=ids, attention_mask=mask).logits.float()
+            still = []
+            for row, i in enumerate(active):
+                tok, lp = pick(i, logits[row, len(seqs[row]) - 1])
+                resp[i].append(tok)
+                lps[i].append(lp)
+                if tok != eos and len(resp[i]) < max_new[i]:
+                    still.append(i)
+            active = still
+    return resp, lps
+
+
+def sampler(temperatures: list[float], seeds: list[int]) -> PickToken:
+    """Sampling at each request's temperature from its own seeded generator (reproducible)."""
+    import torch
+
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+
+    def pick(i: int, last: torch.Tensor) -> tuple[int, float]:
+        logp = torch.log_softmax(last / temperatures[i], dim=-1)
+        tok = int(torch.multinomial(logp.exp(), 1, generator=gens[i]).item())
+        return tok, float(logp[tok])
+
+    return pick
 
 
 def load_model(path: Path, threads: int = 1) -> torch.nn.Module:

@@ -284,6 +284,10 @@ class StepMetrics(Event):
     minibatches: list[list[str]] = Field(default_factory=list)
     step_start: float = 0.0
     train_end: float = 0.0
+    # held-out reward of the weights this step made (version k+1), when eval.every says so, and the
+    # seconds it took (after train_end, before the version is published: not in the step's timings)
+    eval_reward: float | None = None
+    eval_s: float = 0.0
 
 
 class DeadLetter(Event):

@@ -30,7 +30,8 @@ from rolloutpipe import metrics
 from rolloutpipe.broker.events import Group, PolicyVersion, StepMetrics, StepPlan, StepSeal
 from rolloutpipe.broker.streams import Broker, Entry, Groups, connect
 from rolloutpipe.config import Config, mode_label
-from rolloutpipe.errors import StaleVersionError
+from rolloutpipe.errors import ConfigError, StaleVersionError
+from rolloutpipe.evaluate import Evaluator
 from rolloutpipe.runtime import close_client, end_tasks, queue_get
 from rolloutpipe.trainer import checkpoint
 from rolloutpipe.trainer.backends import Backend, make_backend
@@ -110,6 +111,11 @@ class Trainer:
         if cfg.trainer.record_timeline:
             self.logs.append(out / "timeline.jsonl")
         self.logger = StepLogger(cfg, out) if cfg.trainer.log_to else None
+        self.evaluator: Evaluator | None = None
+        if cfg.eval.every:
+            if getattr(backend, "model", None) is None:
+                raise ConfigError(f"eval.every needs the torch trainer backend, not {cfg.trainer.backend!r}")
+            self.evaluator = Evaluator(cfg)
 
     async def _reader(self, stop: asyncio.Event) -> None:
         """Read groups promptly (stamping read time) even while the backend computes."""
@@ -263,6 +269,10 @@ class Trainer:
                 minibatches.append([x.group_id for x in mb])
             pending = []
         train_end = time.time()
+        eval_reward: float | None = None
+        if self.evaluator is not None and self.evaluator.due(step):  # version k+1, before it is published
+            eval_reward = await asyncio.to_thread(self.evaluator, getattr(self.backend, "model"))  # noqa: B009
+        eval_s = time.time() - train_end
         timeline: dict[str, Any] = {
             "step": step,
             "mode": mode_label(self.cfg.trainer.schedule, plan.policy),
@@ -301,6 +311,8 @@ class Trainer:
             minibatches=minibatches,
             step_start=clock.step_start,
             train_end=train_end,
+            eval_reward=eval_reward,
+            eval_s=eval_s if eval_reward is not None else 0.0,
         )
         await self.commit(step, m, consumed, entry_ids, trained, timeline)
         if self.logger is not None:

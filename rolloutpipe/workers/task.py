@@ -1,13 +1,17 @@
 """Shipped verifiable tasks.  A dataset is a dotted path to ``f(num_prompts, seed) -> list[Prompt]``.
 
-A dataset that reads a file takes a third argument, ``path`` (``task.path`` in the config).
+A dataset that reads a file takes a keyword argument ``path`` (``task.path`` in the config).  A
+dataset with a held-out evaluation split takes ``split="train" | "eval"`` and must keep the two
+disjoint: ``eval.every`` in the config needs one.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import random
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +37,47 @@ def successor(num_prompts: int, seed: int) -> list[Prompt]:
     """``a+1=`` -> ``(a+1) mod 10``: the easiest task, learnt in seconds."""
     rng = random.Random(seed)
     return [Prompt(f"{a}+1=", str((a + 1) % 10)) for a in (rng.randrange(10) for _ in range(num_prompts))]
+
+
+DIGIT_OPS = {"-": "copy", "+": "add one to every digit (mod 10)", "*": "reverse"}
+
+
+def digit_ops_answer(prompt: str) -> str:
+    """``-3141=`` -> ``3141``; ``+3141=`` -> ``4252``; ``*3141=`` -> ``1413``."""
+    op, digits = prompt[0], prompt[1:].rstrip("=")
+    if op == "-":
+        return digits
+    if op == "+":
+        return "".join(str((int(c) + 1) % 10) for c in digits)
+    if op == "*":
+        return digits[::-1]
+    raise ValueError(f"not a digit_ops prompt: {prompt!r}")
+
+
+def digit_ops_is_eval(prompt: str) -> bool:
+    """The held-out split: one prompt in ten, by a hash of its text, whatever the seed."""
+    return zlib.crc32(prompt.encode()) % 10 == 0
+
+
+def digit_ops(num_prompts: int, seed: int, split: str = "train", max_len: int = 6) -> list[Prompt]:
+    """``<op><digits>=``: copy (``-``), add one to each digit (``+``) or reverse (``*``) a string of
+    1 to ``max_len`` digits.  The answer is several tokens long and must end with EOS.
+
+    A task where allocation matters: each answer digit is a chance to fail, so prompts of one digit
+    are soon solved always, six reversed digits almost never, and the rest sometimes.  One prompt in
+    ten (``digit_ops_is_eval``) is held out: ``split="eval"`` draws only those, ``"train"`` never.
+    Op and length are uniform; with the same seed the same prompts come in the same order.
+    """
+    if split not in ("train", "eval"):
+        raise ConfigError(f"digit_ops: split must be 'train' or 'eval', not {split!r}")
+    rng = random.Random(f"digit_ops/{split}/{seed}")
+    out: list[Prompt] = []
+    while len(out) < num_prompts:
+        n = rng.randint(1, max_len)
+        text = rng.choice(sorted(DIGIT_OPS)) + "".join(rng.choice("0123456789") for _ in range(n)) + "="
+        if digit_ops_is_eval(text) == (split == "eval"):
+            out.append(Prompt(text, digit_ops_answer(text)))
+    return out
 
 
 def jsonl(num_prompts: int, seed: int, path: str = "") -> list[Prompt]:
@@ -73,9 +118,15 @@ def import_string(dotted: str) -> Any:
         raise ConfigError(f"cannot import {dotted!r}: {e}") from e
 
 
-def load_dataset(dotted: str, num_prompts: int, seed: int, path: str = "") -> list[Prompt]:
+def load_dataset(dotted: str, num_prompts: int, seed: int, path: str = "", split: str = "") -> list[Prompt]:
+    """The dataset's prompts; ``split`` ("train" or "eval") only for datasets that take one."""
     fn: Callable[..., list[Prompt]] = import_string(dotted)
-    prompts = fn(num_prompts, seed, path=path) if path else fn(num_prompts, seed)
+    kw: dict[str, str] = {"path": path} if path else {}
+    if split:
+        if "split" not in inspect.signature(fn).parameters:
+            raise ConfigError(f"dataset {dotted!r} has no held-out split (it takes no 'split' argument)")
+        kw["split"] = split
+    prompts = fn(num_prompts, seed, **kw)
     if not prompts:
         raise ConfigError(f"dataset {dotted!r} returned no prompts")
     return prompts

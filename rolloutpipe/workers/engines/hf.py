@@ -16,7 +16,7 @@ import numpy as np
 
 from rolloutpipe.broker.events import PolicyVersion, RolloutRequest
 from rolloutpipe.config import Config
-from rolloutpipe.policy import ensure_model, load_model, pad_right, text_codec
+from rolloutpipe.policy import decode_batch, ensure_model, load_model, sampler, text_codec
 from rolloutpipe.workers.engines.base import Generation
 
 log = logging.getLogger("rolloutpipe.rollout")
@@ -81,33 +81,13 @@ class TransformersEngine:
                     p.fut.set_result(g)
 
     def _generate_batch(self, reqs: list[RolloutRequest]) -> list[Generation]:
-        import torch
-
         prompts = [self.codec.encode_prompt(r.prompt) for r in reqs]
-        gens = [torch.Generator().manual_seed(r.seed) for r in reqs]
-        resp: list[list[int]] = [[] for _ in reqs]
-        lps: list[list[float]] = [[] for _ in reqs]
-        active = list(range(len(reqs)))
-        max_new = max(r.max_new_tokens for r in reqs)
-        with torch.no_grad():
-            for _ in range(max_new):
-                if not active:
-                    break
-                seqs = [np.concatenate([prompts[i], np.asarray(resp[i], np.int32)]) for i in active]
-                ids, mask = pad_right(seqs)
-                logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
-                still = []
-                for row, i in enumerate(active):
-                    last = logits[row, len(seqs[row]) - 1] / reqs[i].temperature
-                    logp = torch.log_softmax(last, dim=-1)
-                    tok = int(torch.multinomial(logp.exp(), 1, generator=gens[i]).item())
-                    resp[i].append(tok)
-                    lps[i].append(float(logp[tok]))
-                    if tok != self.codec.eos_token_id and len(resp[i]) < reqs[i].max_new_tokens:
-                        still.append(i)
-                active = still
+        pick = sampler([r.temperature for r in reqs], [r.seed for r in reqs])
+        resp, lps = decode_batch(
+            self.model, prompts, [r.max_new_tokens for r in reqs], self.codec.eos_token_id, pick
+        )
         out = []
-        for i, r in enumerate(reqs):
+        for i in range(len(reqs)):
             ids_i = np.asarray(resp[i], np.int32)
             reason = "stop" if len(ids_i) and ids_i[-1] == self.codec.eos_token_id else "length"
             out.append(
@@ -115,7 +95,6 @@ class TransformersEngine:
                     prompts[i], ids_i, np.asarray(lps[i], np.float32), self.codec.decode(ids_i), reason
                 )
             )
-            del r
         return out
 
     async def load_weights(self, pv: PolicyVersion) -> None:

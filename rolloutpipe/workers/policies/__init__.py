@@ -16,6 +16,7 @@ BUILTIN = {
     "fifo": "rolloutpipe.workers.policies.fifo:FifoPolicy",
     "fifo-late": "rolloutpipe.workers.policies.fifo:LateFifoPolicy",
     "fgd": "rolloutpipe.workers.policies.fgd:FrontierPolicy",
+    "fixed": "rolloutpipe.workers.policies.fgd:FrontierPolicy",  # allocation's name for fgd: G a prompt
     "dynamic-sampling": "rolloutpipe.workers.policies.dynamic_sampling:DynamicSamplingPolicy",
     "vigor": "rolloutpipe.workers.policies.vigor:VigorPolicy",
     "pilot-commit": "rolloutpipe.workers.policies.pilot_commit:PilotCommitPolicy",
