@@ -240,8 +240,8 @@ def run_allocation(
         extra = [*flatten(q.get("overrides", {})), *extra]
     policies: dict[str, list[str]] = {n: flatten(o or {}) for n, o in spec["policies"].items()}
     jobs = []
-    for name, pover in policies.items():
-        for seed in seeds:
+    for seed in seeds:  # seed-major: an interrupted suite still compares every policy on its seeds
+        for name, pover in policies.items():
             over = [*pover, *(f"{k}={seed}" for k in SEEDED), f"run=alloc-{name}-s{seed}",
                     f"out={out / name / f'seed{seed}'}", *extra]  # fmt: skip
             jobs.append((name, seed, load_config(base, over, environ={})))  # every config checked first
