@@ -83,6 +83,19 @@ FIRST_GROUP = Gauge(
 REWARD_MEAN = Gauge("rolloutpipe_reward_mean", "Last step's mean reward", registry=None)
 TRAIN_BUSY = Counter("rolloutpipe_trainer_busy_seconds", "Seconds the trainer spent computing", registry=None)
 TOKENS = Counter("rolloutpipe_trained_tokens", "Response tokens trained on", registry=None)
+GROUPS_SKIPPED = Counter(
+    "rolloutpipe_groups_skipped",
+    "Groups the allocation policy skipped (counted at the step's commit)",
+    registry=None,
+)
+SAMPLES_WASTED = Counter(
+    "rolloutpipe_samples_wasted",
+    "Rollouts released but not trained: skipped pilots, dropped groups, aborted extras",
+    registry=None,
+)
+EVAL_REWARD = Gauge(
+    "rolloutpipe_eval_reward", "Held-out reward of the latest evaluated version", registry=None
+)
 
 ROLE_METRICS: dict[str, tuple[Any, ...]] = {
     "controller": (REQUESTS_RELEASED, STEP, DEAD_LETTERS, BROKER_EVENTS),
@@ -93,7 +106,8 @@ ROLE_METRICS: dict[str, tuple[Any, ...]] = {
     "aggregator": (SAMPLES, GROUPS, STEP, FENCE_REJECTIONS, DEAD_LETTERS, BROKER_EVENTS),
     "trainer": (
         GROUPS, GROUP_DISPATCH, WAIT_RATIO, ROLLOUT_TO_TRAIN_END, FIRST_GROUP, REWARD_MEAN, TRAIN_BUSY,
-        TOKENS, POLICY_VERSION, STEP, FENCE_REJECTIONS, DEAD_LETTERS, BROKER_EVENTS,
+        TOKENS, GROUPS_SKIPPED, SAMPLES_WASTED, EVAL_REWARD, POLICY_VERSION, STEP, FENCE_REJECTIONS,
+        DEAD_LETTERS, BROKER_EVENTS,
     ),
 }  # fmt: skip
 _BY_ROLE = (SAMPLES, GROUPS, FENCE_REJECTIONS, DEAD_LETTERS, POLICY_VERSION, STEP)  # label: role only

@@ -22,6 +22,9 @@ EXPECTED = {
         "rolloutpipe_trainer_wait_ratio",
         "rolloutpipe_rollout_to_train_end_seconds",
         'rolloutpipe_policy_version{role="trainer"}',
+        "rolloutpipe_groups_skipped_total",
+        "rolloutpipe_samples_wasted_total",
+        "rolloutpipe_eval_reward",
     ],
     "aggregator": [
         'rolloutpipe_samples_total{role="aggregator"}',

@@ -20,7 +20,8 @@ def step_scalars(m: StepMetrics) -> dict[str, float]:
     """One step's scalars, named as slime (``perf/wait_time_ratio``, ``rollout/raw_reward``) and
     verl (``response_length/mean``) name theirs."""
     window = max(m.rollout_to_train_end_s, 1e-9)
-    return {
+    held_out = {} if m.eval_reward is None else {"eval/reward": m.eval_reward}
+    return held_out | {
         "rollout/raw_reward": m.reward_mean,
         "rollout/response_length/mean": m.tokens / max(m.samples, 1),
         "rollout/groups": float(m.groups),

@@ -323,6 +323,10 @@ class Trainer:
         metrics.REWARD_MEAN.set(m.reward_mean)
         metrics.TRAIN_BUSY.inc(m.train_busy_s)
         metrics.TOKENS.inc(m.tokens)
+        metrics.GROUPS_SKIPPED.inc(m.groups_skipped)
+        metrics.SAMPLES_WASTED.inc(m.samples_wasted)
+        if m.eval_reward is not None:
+            metrics.EVAL_REWARD.set(m.eval_reward)
         metrics.STEP.labels("trainer").set(step)
         metrics.POLICY_VERSION.labels("trainer").set(step + 1)
         return m
