@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -368,6 +369,10 @@ def cmd_dlq(args: argparse.Namespace) -> int:
         r.close()
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, unknown = parser.parse_known_args(argv)
@@ -380,10 +385,11 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides.insert(0, args.config)
         args.config = ""
     try:
-        if args.cmd == "run":
-            return cmd_run(args)
-        if args.cmd == "bench":
-            return cmd_bench(args)
+        if args.cmd in ("run", "bench"):
+            # SIGTERM (kill, a CI timeout) unwinds like Ctrl-C, so the roles and the private Redis
+            # that this process started are stopped by its ``finally`` blocks, not left running.
+            signal.signal(signal.SIGTERM, _interrupt)
+            return cmd_run(args) if args.cmd == "run" else cmd_bench(args)
         if args.cmd in ("tail", "status", "report", "dlq"):
             if args.overrides:
                 parser.error(f"unrecognized arguments: {' '.join(args.overrides)}")

@@ -76,3 +76,32 @@ def test_bad_config_is_a_clear_error(args: list[str], message: str) -> None:
     assert p.returncode == 2
     assert message in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_sigterm_stops_everything_run_started(tmp_path: Path) -> None:
+    """``kill`` of ``rolloutpipe run`` (a CI timeout, a scheduler) unwinds like Ctrl-C: every role
+    process and the private redis-server it started are stopped, none is left running."""
+    import re
+    import signal
+    import socket
+    import time
+
+    out = tmp_path / "term"
+    p = subprocess.Popen(
+        [sys.executable, "-m", "rolloutpipe", "run", "configs/demo.yaml", "--steps", "500", "--out", str(out),
+         "--no-progress", *EMULATED_FAST],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert p.poll() is None and time.monotonic() < deadline, "the run did not reach step 2"
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err[-2000:]
+    roles = subprocess.run(["pgrep", "-f", str(out / "config.yaml")], capture_output=True, text=True)
+    assert roles.stdout.strip() == "", f"role processes left running: {roles.stdout}"
+    port = int(re.search(r"embedded redis-server on 127\.0\.0\.1:(\d+)", err).group(1))  # type: ignore[union-attr]
+    with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=2):
+        pass
