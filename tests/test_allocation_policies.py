@@ -197,6 +197,46 @@ def test_pilot_commit_skips_exactly_the_pilots_without_signal() -> None:
     assert any(g.status == "final" for g in view.groups.values())
 
 
+@pytest.mark.parametrize("commit_frac", [1.0, 0.5])
+def test_pilot_commit_groups_of_one_minibatch_never_wait_for_a_later_ones_pilot(commit_frac: float) -> None:
+    """Mini-batch 0's groups are decided (committed or skipped) while mini-batch 1's pilots have not
+    reported at all: a frontier group never waits on a pilot of a later group."""
+    rates = {0: 0.5, 1: 0.0, 2: 0.5, 3: 1.0}
+    pol = make_policy(cfg("pilot-commit", 8, 8, 2, n_pilot=4, commit_frac=commit_frac))
+    sim = Sim(pol, 8, 8, 2, bernoulli(rates, seed=3))
+    first = [sim.view.groups[f"0:{i}"] for i in range(4)]
+    for g in first:  # only mini-batch 0 reports its pilots
+        g.completed = g.target
+        g.rewards = np.asarray([sim.rewards(g.prompt_index, i) for i in range(g.target)], np.float32)
+        for d in pol.on_stats(sim.view, g):
+            sim.apply(d)
+    assert all(g.status in ("final", "skipped") for g in first), [g.status for g in first]
+    assert any(g.status == "final" for g in first) and any(g.status == "skipped" for g in first)
+    assert all(sim.view.groups[f"0:{i}"].completed == 0 for i in range(4, 8))
+
+
+@pytest.mark.parametrize("policy", ["pilot-commit", "vigor"])
+def test_extra_rollouts_of_frontier_groups_are_admitted_before_later_pilots(policy: str) -> None:
+    """Once a frontier group is extended, free slots go to its extras before any pilot of a group of
+    a later mini-batch, whatever the plan order of the released groups."""
+    pol = make_policy(cfg(policy, 8, 8, 2, **({"n_pilot": 4} if policy == "pilot-commit" else {"n0": 4})))
+    sim = Sim(pol, 8, 8, 2, bernoulli({p: 0.5 for p in range(8)}, seed=11))
+    first = pol.admit(sim.view, 16)
+    assert {r.group_id for r in first} == {"0:0", "0:1", "0:2", "0:3"}  # the frontier's pilots first
+    for r in first:
+        sim.view.groups[r.group_id].released += r.n
+    for g in [sim.view.groups[f"0:{i}"] for i in range(4)]:
+        g.completed = g.target
+        g.rewards = np.asarray([1.0, 0.0, 1.0, 0.0], np.float32)  # signal everywhere
+        for d in pol.on_stats(sim.view, g):
+            sim.apply(d)
+    extended = [g for g in sim.view.groups.values() if g.minibatch == 0 and g.unreleased > 0]
+    assert extended, "no frontier group was extended"
+    out = pol.admit(sim.view, 4)
+    assert out and all(sim.view.groups[r.group_id].minibatch == 0 for r in out), out
+    assert sum(r.n for r in out) == 4
+
+
 def test_pilot_commit_pass_rate_band_and_commit_share() -> None:
     rates = {p: 0.5 for p in range(8)}
     rewards = bernoulli(rates, seed=11)
