@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import types
 import typing
 from pathlib import Path
 from typing import Any, get_args, get_origin
@@ -47,6 +48,10 @@ def _wire_type(ann: Any, metadata: list[Any]) -> str:
         return "bin: int32 LE"
     if metadata and metadata[0] is Float32Array.__metadata__[0]:
         return "bin: float32 LE"
+    if get_origin(ann) in (typing.Union, types.UnionType):
+        alts = [a for a in get_args(ann) if a is not type(None)]
+        nil = " or nil" if len(alts) < len(get_args(ann)) else ""
+        return " or ".join(_wire_type(a, []) for a in alts) + nil
     if get_origin(ann) is typing.Literal:
         return "str: " + " / ".join(f"`{a}`" for a in get_args(ann))
     if get_origin(ann) is list:
@@ -86,6 +91,8 @@ def _field(name: str, cls: type[BaseModel]) -> str:
     if f.is_required():
         return text
     default = f.get_default(call_default_factory=True)
+    if default is None:
+        return f"{text} = nil"
     return f"{text} = {'empty' if isinstance(default, np.ndarray) else json.dumps(default)}"
 
 
