@@ -2,18 +2,52 @@
 
 Precedence (highest first): ``a.b=c`` CLI overrides, ``RP_A__B=c`` environment, the YAML file, defaults.
 Loaded before any event loop starts.
+
+The environment's config namespace is ``RP_<KEY>`` for a top-level key (``RP_RUN``, ``RP_OUT``,
+``RP_LOG_LEVEL``) and ``RP_<SECTION>__<KEY>[__<KEY>…]`` (a double underscore between levels) for
+everything else.  A variable of that namespace that names no config key is an error that names the
+variable.  The tools' own variables (:data:`TOOL_VARIABLES`: ``RP_REDIS_URL`` for ``tail`` and
+``status``, ``RP_WORKER_ID``, compose's ``RP_STEPS`` …) are outside it and never reach the config;
+any other ``RP_…`` name outside it is ignored with a warning.
 """
 
 from __future__ import annotations
 
+import difflib
+import logging
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from rolloutpipe.errors import ConfigError
+
+log = logging.getLogger("rolloutpipe.config")
+
+# ``RP_…`` variables that are not config overrides: who reads each (docs/operations.md lists them).
+TOOL_VARIABLES: dict[str, str] = {
+    "RP_REDIS_URL": "tail, status and dlq: the Redis URL when --redis-url is not given",
+    "RP_REDIS_SERVER": "the redis-server binary the embedded Redis starts",
+    "RP_WORKER_ID": "the rollout worker's consumer name when --worker-id is not given",
+    # docker-compose.yml's interpolation variables (the shell or .env; compose reads them)
+    "RP_STEPS": "compose, cpu profile: controller.steps",
+    "RP_REDIS_HOST": "compose: the host of the Redis the roles use",
+    "RP_MODELS_DIR": "compose: the host directory mounted at /models",
+    "RP_DATA_DIR": "compose: the host directory mounted at /data",
+    "RP_REDIS_APPENDFSYNC": "compose: the Redis service's appendfsync",
+    "RP_REDIS_CONTROLLER_PASSWORD": "compose: the controller's Redis password",
+    "RP_REDIS_ROLLOUT_PASSWORD": "compose: the rollout workers' Redis password",
+    "RP_REDIS_AGGREGATOR_PASSWORD": "compose: the aggregator's Redis password",
+    "RP_REDIS_TRAINER_PASSWORD": "compose: the trainer's Redis password",
+    "RP_REDIS_OBSERVER_PASSWORD": "compose: the observer's (healthchecks) Redis password",
+    # the test suite's knobs
+    "RP_TEST_MODEL_CACHE": "tests: where the tiny model is built once",
+    "RP_CHAOS_SEED": "tests: replay one chaos schedule",
+    "RP_FUZZ_EXAMPLES": "tests: examples per fuzzed handler",
+    "RP_FUZZ_REAL_EXAMPLES": "tests: examples per handler against the real Redis",
+}
 
 Mode = Literal["sync", "cgp", "cgp-fgd"]
 MODES: tuple[Mode, ...] = ("sync", "cgp", "cgp-fgd")
@@ -371,14 +405,62 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in environ.items():
-        if not k.startswith("RP_") or k in ("RP_REDIS_SERVER",):
+def _env_name(parts: list[str]) -> str:
+    return "RP_" + "__".join(parts).upper()
+
+
+def _key_error(parts: list[str]) -> str | None:
+    """Why the dotted path ``parts`` names no config value (None: it names one)."""
+    model: type[BaseModel] = Config
+    for i, part in enumerate(parts):
+        fields = model.model_fields
+        here = ".".join(parts[: i + 1])
+        if part not in fields:
+            near = difflib.get_close_matches(part, list(fields), n=1)
+            hint = f" (did you mean {_env_name([*parts[:i], near[0]])}?)" if near else ""
+            return f"{here or repr(part)} is not a config key{hint}"
+        ann = fields[part].annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            model = ann
             continue
-        dotted = k[3:].lower().replace("__", ".")
+        if i < len(parts) - 1 and get_origin(ann) is not dict and ann is not dict:
+            return f"{here} is not a section, so {_env_name(parts)} names nothing"
+        return None  # a value, or a key inside a free-form mapping (policy_args, extra_args, …)
+    return f"{'.'.join(parts)} is a section: set one of its keys, {_env_name(parts)}__KEY"
+
+
+def _env_overrides(environ: dict[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The config overrides among ``RP_…`` variables, and which variable set each dotted key.
+
+    Config namespace: ``RP_<TOP-LEVEL KEY>`` and ``RP_<SECTION>__<KEY>…``.  Everything else that
+    starts with ``RP_`` belongs to a tool (:data:`TOOL_VARIABLES`) or to nobody (a warning).
+    """
+    out: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    for k, v in sorted(environ.items()):
+        if not k.startswith("RP_") or k in TOOL_VARIABLES:
+            continue
+        parts = k[3:].lower().split("__")
+        if len(parts) == 1 and parts[0] not in Config.model_fields:
+            near = [
+                _env_name([s, rest])
+                for s in Config.model_fields
+                if (rest := parts[0].removeprefix(s + "_")) != parts[0] and not _key_error([s, rest])
+            ]
+            hint = f"; for the config key write {near[0]}" if near else ""
+            log.warning("environment variable %s is neither a config override nor a known tool's "
+                        "variable: ignored%s", k, hint)  # fmt: skip
+            continue
+        why = _key_error(parts)
+        if why is not None:
+            raise ConfigError(
+                f"environment variable {k}: {why}.  Config overrides are RP_<KEY> for a top-level key "
+                "and RP_<SECTION>__<KEY> below it; unset the variable if it is not meant for the config"
+            )
+        dotted = ".".join(parts)
         _set_dotted(out, dotted, yaml.safe_load(v) if v != "" else "")
-    return out
+        source[dotted] = k
+    return out, source
 
 
 def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -437,12 +519,36 @@ def load_config(
             raise ConfigError(f"config file {p} must hold a mapping, not {type(loaded).__name__}")
         data = loaded
     data = _expand_preset(data, "the config file")
-    data = _deep_merge(
-        data, _expand_preset(_env_overrides(dict(os.environ if environ is None else environ)), "RP_…")
-    )
-    data = _deep_merge(data, _expand_preset(parse_overrides(overrides or []), "the overrides"))
+    env, env_source = _env_overrides(dict(os.environ if environ is None else environ))
+    data = _deep_merge(data, _expand_preset(env, "RP_…"))
+    cli = parse_overrides(overrides or [])
+    data = _deep_merge(data, _expand_preset(cli, "the overrides"))
     try:
         return Config(**data)
     except ValidationError as e:
-        msgs = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
+
+        def where(loc: tuple[int | str, ...]) -> str:
+            dotted = ".".join(str(x) for x in loc)
+            set_by = next((env_source[p] for p in _prefixes(dotted) if p in env_source), None)
+            return f"{dotted} (from {set_by})" if set_by and not _has_path(cli, dotted) else dotted
+
+        msgs = "; ".join(f"{where(err['loc'])}: {err['msg']}" for err in e.errors())
         raise ConfigError(f"invalid config: {msgs}") from e
+
+
+def _prefixes(dotted: str) -> list[str]:
+    """``a.b.c`` -> ``["a.b.c", "a.b", "a"]``: the keys an override of which may have set ``dotted``."""
+    parts = dotted.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
+def _has_path(d: dict[str, Any], dotted: str) -> bool:
+    """Whether the nested dict ``d`` sets ``dotted`` or a key above it."""
+    cur: Any = d
+    for part in dotted.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            return False
+        cur = cur[part]
+        if not isinstance(cur, dict):
+            return True
+    return True

@@ -12,7 +12,8 @@
   than the last ``redis.keep_steps`` are deleted.  Every role reads these keys only for the step
   under way (the trainer's exactly-once check reads ``consumed:k`` of its current step; the
   aggregator's ``emitted:k`` and ``plan:k`` of the sample's step, and a sample of a step that old is
-  dead-lettered either way), so two steps would do; the default keeps 8 for ``rolloutpipe status``.
+  dead-lettered as a fence rejection, plan or no plan), so two steps would do; the default keeps 8
+  for ``rolloutpipe status``.
 
 The controller runs :func:`trim_run` at each new step and at least once a second
 (``Controller.trim_loop``).

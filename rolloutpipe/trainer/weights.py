@@ -2,14 +2,23 @@
 
 A version directory appears only complete (written under a temporary name, then renamed), and a
 reader verifies every file's sha256 against the PolicyVersion event before loading anything.
+
+The temporary name is ``.tmp-vNNNNNN-PID-HOST``: the writer's process id and host name say whose it
+is.  A writer killed before its rename leaves it behind; every publish removes such orphans of dead
+writers (same host, process gone; or this process's own, when it is not writing it), and never a
+folder whose writer may live (its process exists, or it is on another host sharing the storage).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import re
 import shutil
+import socket
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,7 +29,12 @@ from rolloutpipe.errors import WeightsVerificationError
 if TYPE_CHECKING:
     import torch
 
+log = logging.getLogger("rolloutpipe.trainer")
 WEIGHTS_FILE = "model.safetensors"
+# .tmp-v000007-4242-host (HOST is absent in folders of older versions of this code: this host's)
+TMP_NAME = re.compile(r"\.tmp-v(\d+)-(\d+)(?:-(.+))?")
+_writing: set[Path] = set()  # temp folders this process is writing now
+_writing_lock = threading.Lock()
 
 
 def sha256_file(path: Path) -> str:
@@ -38,14 +52,24 @@ def publish_weights(
 
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"v{version:06d}"
-    tmp = root / f".tmp-v{version:06d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(tmp / WEIGHTS_FILE))
-    digests = {WEIGHTS_FILE: sha256_file(tmp / WEIGHTS_FILE)}
-    (tmp / "manifest.json").write_text(json.dumps({"policy_version": version, "sha256": digests}))
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
+    tmp = root / f".tmp-v{version:06d}-{os.getpid()}-{socket.gethostname()}"
+    with _writing_lock:
+        _writing.add(tmp)
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(tmp / WEIGHTS_FILE))
+        digests = {WEIGHTS_FILE: sha256_file(tmp / WEIGHTS_FILE)}
+        (tmp / "manifest.json").write_text(json.dumps({"policy_version": version, "sha256": digests}))
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed write leaves nothing (a kill cannot get here)
+        raise
+    finally:
+        with _writing_lock:
+            _writing.discard(tmp)
+    remove_orphans(root)
     if keep > 0:  # workers only ever need the newest version; older ones are pruned
         for old in sorted(root.glob("v[0-9]*"))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -57,6 +81,42 @@ def publish_weights(
         sha256=digests,
         published_at=time.time(),
     )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return True
+
+
+def remove_orphans(root: Path) -> list[Path]:
+    """Remove the temp folders under ``root`` left by writers that died before their rename.
+
+    An orphan is a folder of this host whose process is gone, or one of this process (a restarted
+    container's trainer often has its predecessor's PID) that it is not writing now.  A folder of a
+    live process, or of another host, is left alone: its writer may be at work.
+    """
+    host, me = socket.gethostname(), os.getpid()
+    removed = []
+    for d in root.glob(".tmp-v*"):
+        m = TMP_NAME.fullmatch(d.name)
+        if m is None or (m[3] is not None and m[3] != host):
+            continue
+        pid = int(m[2])
+        if pid == me:
+            with _writing_lock:
+                if d in _writing:
+                    continue
+        elif _alive(pid):
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        log.info("removed %s, left by a weight writer (pid %d) that died before publishing it", d, pid)
+        removed.append(d)
+    return removed
 
 
 def verify_weights(pv: PolicyVersion) -> None:
