@@ -284,6 +284,9 @@ class StepMetrics(Event):
     minibatches: list[list[str]] = Field(default_factory=list)
     step_start: float = 0.0
     train_end: float = 0.0
+    # the backend's optimizer-step stats (loss, grad_norm, clipfrac, kl, entropy, ...), averaged over
+    # the step's mini-batches
+    train: dict[str, float] = Field(default_factory=dict)
 
 
 class DeadLetter(Event):
