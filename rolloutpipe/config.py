@@ -245,6 +245,10 @@ class EmulatedTrainerConfig(_Section):
     tokens_per_s: float = 40_000.0  # forward+backward throughput of the trainer pool
     time_scale: float = 0.05
     logprob_pass_factor: float = 0.0  # extra forward passes a slime-style step does, as a fraction
+    # Cost of one forward-only pass over a token, as a fraction of its forward+backward (~1/3: the
+    # backward costs about twice the forward).  Charged once per group for the reference model
+    # (trainer.kl_coef > 0) and once for recomputed old logprobs (trainer.old_logprobs=recompute).
+    forward_pass_cost: float = Field(default=1.0 / 3.0, ge=0.0)
 
 
 class DeepSpeedConfig(_Section):
@@ -267,9 +271,26 @@ class TrainerConfig(_Section):
     lr: float = 5e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    clip_eps: float = 0.2
-    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
-    old_logprobs: Literal["engine", "frozen"] = "engine"
+    # --- the GRPO loss (docs/grpo.md maps each to its verl and TRL name) ---
+    adv_std: Literal["unbiased", "biased", "none"] = "unbiased"  # none: Dr. GRPO (no std division)
+    adv_eps: float = Field(default=1e-6, ge=0.0)  # (r - mean) / (std + adv_eps)
+    clip_eps: float = Field(default=0.2, ge=0.0)  # symmetric shorthand: clip_low = clip_high = clip_eps
+    clip_low: float | None = Field(default=None, ge=0.0, lt=1.0)  # ratio >= 1 - clip_low (None: clip_eps)
+    clip_high: float | None = Field(default=None, ge=0.0)  # ratio <= 1 + clip_high (DAPO: 0.28)
+    clip_ratio_c: float | None = 3.0  # dual clip for A < 0 (verl's default); None turns it off
+    logratio_clamp: float | None = Field(default=20.0, gt=0.0)  # |log pi/pi_old| clamp; None: off
+    kl_coef: float = Field(default=0.0, ge=0.0)  # 0: no reference model is loaded
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    ref_path: str = ""  # reference checkpoint for the KL term; empty: the initial weights
+    entropy_coef: float = 0.0  # loss -= entropy_coef x entropy (aggregated like the loss)
+    loss_agg: Literal[
+        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    loss_agg_norm_len: int = Field(default=0, ge=0)  # seq-mean-token-sum-norm: 0 = rollout.max_new_tokens
+    # engine: the engine's logprobs; recompute: the version-k trainer weights, per group (``frozen``
+    # is the old name of recompute and still accepted)
+    old_logprobs: Literal["engine", "recompute", "frozen"] = "engine"
+    tis_cap: float = Field(default=0.0, ge=0.0)  # truncated IS min(pi_old / pi_engine, cap); 0: off
     seed: int = 0
     record_groups: bool = False  # write every consumed group to OUT/groups.msgpack (replay, audits)
     keep_versions: int = 3  # published weight versions kept on disk (0 keeps all)
@@ -280,6 +301,37 @@ class TrainerConfig(_Section):
     record_timeline: bool = False  # write OUT/timeline.jsonl: per-sample and trainer busy intervals
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
     emulated: EmulatedTrainerConfig = Field(default_factory=EmulatedTrainerConfig)
+
+    @model_validator(mode="after")
+    def _check_loss(self) -> TrainerConfig:
+        if self.old_logprobs == "frozen":  # the old name: same behaviour
+            self.old_logprobs = "recompute"
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
+            raise ValueError(
+                f"clip_ratio_c must be > 1 (or null to turn the dual clip off), not {self.clip_ratio_c}"
+            )
+        if self.tis_cap > 0 and self.old_logprobs != "recompute":
+            raise ValueError(
+                "tis_cap corrects between the engine's logprobs and the trainer's recomputed ones: "
+                "it needs old_logprobs=recompute"
+            )
+        if self.tis_cap and self.tis_cap < 1.0:
+            raise ValueError(f"tis_cap must be >= 1 (or 0 for off), not {self.tis_cap}")
+        if self.ref_path and self.kl_coef == 0:
+            raise ValueError("ref_path is set but kl_coef is 0: the reference model would not be used")
+        if self.backend == "deepspeed" and self.kl_coef > 0:
+            raise ValueError(
+                "the deepspeed backend loads no reference model: kl_coef > 0 is not supported "
+                "there yet (use backend=torch for a KL term)"
+            )
+        return self
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """(clip_low, clip_high), each falling back to the symmetric ``clip_eps``."""
+        lo = self.clip_eps if self.clip_low is None else self.clip_low
+        hi = self.clip_eps if self.clip_high is None else self.clip_high
+        return lo, hi
 
 
 class MetricsConfig(_Section):

@@ -258,18 +258,42 @@ def response_logprobs(
     temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token logprobs of each response under ``model`` ([B, Tmax]) and the response mask."""
+    logp, mask, _ = response_logprobs_entropy(model, prompts, responses, temperature, entropy=False)
+    return logp, mask
+
+
+def response_logprobs_entropy(
+    model: torch.nn.Module,
+    prompts: list[np.ndarray],
+    responses: list[np.ndarray],
+    temperature: float = 1.0,
+    entropy: bool = True,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``response_logprobs`` and, with ``entropy``, each response position's entropy ([B, Tmax])
+    of the temperature-scaled distribution (verl's ``entropy_from_logits``); without
+    ``entropy_grad`` it is computed outside autograd (a metric only)."""
     import torch
+
+    from rolloutpipe.trainer.grpo import token_entropy
 
     seqs = [np.concatenate([p, r]) for p, r in zip(prompts, responses, strict=True)]
     ids, mask = pad_right(seqs)
-    logits = model(input_ids=ids, attention_mask=mask).logits.float() / temperature
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    # at least fp32 (a bf16 model's logits are upcast); an fp64 model stays fp64 (tests/test_same_maths)
+    logits = (logits if logits.dtype == torch.float64 else logits.float()) / temperature
     logp_all = torch.log_softmax(logits[:, :-1], dim=-1)
     tok_logp = logp_all.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [B, L-1]
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        ent_all = token_entropy(logp_all) if entropy else None
     tmax = max(len(r) for r in responses)
     out = torch.zeros((len(seqs), tmax), dtype=tok_logp.dtype)
+    ent = torch.zeros((len(seqs), tmax), dtype=tok_logp.dtype) if entropy else None
     rmask = torch.zeros((len(seqs), tmax), dtype=tok_logp.dtype)
     for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         if len(r):
             out[i, : len(r)] = tok_logp[i, len(p) - 1 : len(p) - 1 + len(r)]
             rmask[i, : len(r)] = 1.0
-    return out, rmask
+            if ent is not None and ent_all is not None:
+                ent[i, : len(r)] = ent_all[i, len(p) - 1 : len(p) - 1 + len(r)]
+    return out, rmask, ent

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from rolloutpipe.errors import WeightsVerificationError
-from rolloutpipe.trainer.grpo import aggregate_sum, clipped_token_loss, group_advantages
+from rolloutpipe.trainer.grpo import aggregate_sum, group_advantages, policy_loss
 from rolloutpipe.trainer.weights import load_verified_state, publish_weights
 
 
 def test_group_advantages() -> None:
-    adv = group_advantages(np.array([1.0, 0.0, 0.0, 1.0]))
-    np.testing.assert_allclose(adv, [1, -1, -1, 1], atol=1e-5)
+    adv = group_advantages(np.array([1.0, 0.0, 0.0, 1.0]))  # unbiased std sqrt(1/3), as verl and TRL
+    np.testing.assert_allclose(adv, [0.8660254, -0.8660254, -0.8660254, 0.8660254], atol=1e-5)
     assert adv.dtype == np.float32
     assert not group_advantages(np.array([1.0, 1.0, 1.0])).any()  # zero variance: no signal
 
@@ -24,11 +24,11 @@ def test_group_advantages() -> None:
 def test_clip_only_bites_beyond_eps() -> None:
     logp = torch.log(torch.tensor([[1.5, 1.1, 0.5]]))
     old = torch.zeros_like(logp)
-    loss_pos, clipped_pos = clipped_token_loss(logp, old, torch.tensor([1.0]), 0.2)
+    loss_pos, clipped_pos, _ = policy_loss(logp, old, torch.tensor([1.0]), 0.2, 0.2)
     # positive advantage: ratio 1.5 is clipped to 1.2, ratio 1.1 is not, ratio 0.5 keeps its (worse) value
     torch.testing.assert_close(loss_pos, -torch.tensor([[1.2, 1.1, 0.5]]))
     assert clipped_pos.tolist() == [[True, False, False]]
-    loss_neg, _ = clipped_token_loss(logp, old, torch.tensor([-1.0]), 0.2)
+    loss_neg, _, _ = policy_loss(logp, old, torch.tensor([-1.0]), 0.2, 0.2)
     torch.testing.assert_close(loss_neg, torch.tensor([[1.5, 1.1, 0.8]]))
 
 

@@ -288,6 +288,9 @@ class StepMetrics(Event):
     # seconds it took (after train_end, before the version is published: not in the step's timings)
     eval_reward: float | None = None
     eval_s: float = 0.0
+    # the backend's optimizer-step stats (loss, grad_norm, clipfrac, kl, entropy, ...), averaged over
+    # the step's mini-batches
+    train: dict[str, float] = Field(default_factory=dict)
 
 
 class DeadLetter(Event):

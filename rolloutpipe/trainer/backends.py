@@ -11,17 +11,30 @@ from __future__ import annotations
 
 import copy
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rolloutpipe.broker.events import Group, PolicyVersion
 from rolloutpipe.config import Config
 from rolloutpipe.trainer.checkpoint import optimizer_from_safetensors, optimizer_to_safetensors
-from rolloutpipe.trainer.grpo import aggregate_sum, clipped_token_loss
+from rolloutpipe.trainer.grpo import group_loss, norm_len, recomputes, step_stats
 from rolloutpipe.trainer.weights import publish_weights
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
+
+
+def engine_logprobs(samples: list[Any], like: torch.Tensor) -> torch.Tensor:
+    """The engine's behaviour logprobs of each response, right-padded like ``like`` ([B, T])."""
+    import torch
+
+    out = torch.zeros_like(like)
+    for i, s in enumerate(samples):
+        lp: np.ndarray = s.logprobs
+        out[i, : len(lp)] = torch.from_numpy(lp.astype("float32"))
+    return out
 
 
 class Backend(Protocol):
@@ -32,7 +45,13 @@ class Backend(Protocol):
 
 
 class TorchBackend:
-    """Per-group gradient accumulation; one AdamW step per mini-batch."""
+    """Per-group gradient accumulation; one AdamW step per mini-batch.
+
+    Per group: the policy's forward (with entropy), the recomputed old logprobs from the frozen
+    version-k copy (``old_logprobs=recompute``), the reference model's forward (``kl_coef > 0``),
+    the loss of ``grpo.group_loss`` and its backward.  At the step the summed gradients are divided
+    by the summed normaliser (the exactness argument in ``grpo``).
+    """
 
     def __init__(self, cfg: Config, model: Any | None = None) -> None:
         import torch
@@ -46,55 +65,61 @@ class TorchBackend:
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
         self.frozen: torch.nn.Module | None = None
+        # The KL reference: the initial weights (copied before any step or resume) or ref_path.
+        self.ref: torch.nn.Module | None = None
+        if tc.kl_coef > 0:
+            ref = load_model(Path(tc.ref_path).expanduser(), 1) if tc.ref_path else copy.deepcopy(self.model)
+            self.ref = ref.eval().requires_grad_(False)
+        self.norm_len = norm_len(cfg)
         self.norm = 0.0
-        self.loss_sum = 0.0
-        self.clipfrac_num = 0.0
+        self.sums: dict[str, float] = defaultdict(float)
 
     def begin_step(self, version: int) -> None:
         """Freeze a version-k copy when old logprobs are recomputed rather than taken from the engine."""
-        if self.cfg.trainer.old_logprobs == "frozen":
+        if recomputes(self.cfg.trainer):
             self.frozen = copy.deepcopy(self.model).eval()
 
-    def _old_logprobs(self, group: Group, logp: torch.Tensor) -> torch.Tensor:
+    def _forward_no_grad(self, model: torch.nn.Module, group: Group) -> torch.Tensor:
         import torch
 
         from rolloutpipe.policy import response_logprobs
 
-        if self.cfg.trainer.old_logprobs == "frozen":
-            assert self.frozen is not None, "begin_step() must run before accumulate()"
-            with torch.no_grad():
-                old, _ = response_logprobs(
-                    self.frozen,
-                    [s.prompt_ids for s in group.samples],
-                    [s.response_ids for s in group.samples],
-                    group.samples[0].temperature,
-                )
-            return old
-        old = torch.zeros_like(logp)
-        for i, s in enumerate(group.samples):
-            old[i, : len(s.logprobs)] = torch.from_numpy(s.logprobs.astype("float32"))
-        return old
+        with torch.no_grad():
+            out, _ = response_logprobs(
+                model,
+                [s.prompt_ids for s in group.samples],
+                [s.response_ids for s in group.samples],
+                group.samples[0].temperature,
+            )
+        return out
 
     def accumulate(self, group: Group) -> None:
         import torch
 
-        from rolloutpipe.policy import response_logprobs
+        from rolloutpipe.policy import response_logprobs_entropy
 
         tc = self.cfg.trainer
-        logp, mask = response_logprobs(
+        logp, mask, ent = response_logprobs_entropy(
             self.model,
             [s.prompt_ids for s in group.samples],
             [s.response_ids for s in group.samples],
             group.samples[0].temperature,  # the engine's: the request carried it
+            entropy_grad=tc.entropy_coef != 0,
         )
-        old = self._old_logprobs(group, logp.detach())
+        engine = engine_logprobs(group.samples, logp)
+        if recomputes(tc):
+            assert self.frozen is not None, "begin_step() must run before accumulate()"
+            old = self._forward_no_grad(self.frozen, group)
+        else:
+            old = engine
+        ref = self._forward_no_grad(self.ref, group) if self.ref is not None else None
         adv = torch.from_numpy(group.advantages.astype("float32"))
-        losses, clipped = clipped_token_loss(logp, old, adv, tc.clip_eps)
-        num, den = aggregate_sum(losses, mask, tc.loss_agg)
-        num.backward()  # type: ignore[no-untyped-call]
+        num, den, sums = group_loss(tc, logp, mask, adv, engine, old, ref, ent, self.norm_len)
+        if num.requires_grad:  # else every response is empty: nothing to back up
+            num.backward()  # type: ignore[no-untyped-call]
         self.norm += den
-        self.loss_sum += float(num.item())
-        self.clipfrac_num += float((clipped.float() * mask).sum().item())
+        for k, v in sums.items():
+            self.sums[k] += v
 
     def optimizer_step(self) -> dict[str, float]:
         import torch
@@ -106,12 +131,9 @@ class TorchBackend:
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        stats = {
-            "loss": self.loss_sum / norm,
-            "grad_norm": float(gnorm),
-            "clipfrac": self.clipfrac_num / norm,
-        }
-        self.norm = self.loss_sum = self.clipfrac_num = 0.0
+        stats = {**step_stats(self.sums, norm), "grad_norm": float(gnorm)}
+        self.norm = 0.0
+        self.sums = defaultdict(float)
         return stats
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -135,11 +157,27 @@ class TorchBackend:
         )
 
 
+def emulated_passes(cfg: Config) -> float:
+    """What the emulated trainer charges a token, in forward+backward passes.
+
+    The cost model: one forward+backward of the policy (1), plus ``forward_pass_cost`` (~1/3: a
+    forward-only pass, the backward costing about twice the forward) for each extra forward the
+    loss options need: the reference model when ``kl_coef > 0``, the version-k copy when old
+    logprobs are recomputed; nothing for the other options (clipping, entropy, aggregation and TIS
+    reuse tensors the policy's forward already made).  ``logprob_pass_factor`` is an extra charge
+    on top, for forwards outside these options (the bench's model of slime's step).
+    """
+    tc = cfg.trainer
+    forwards = int(tc.kl_coef > 0) + int(recomputes(tc))
+    return 1.0 + tc.emulated.forward_pass_cost * forwards + tc.emulated.logprob_pass_factor
+
+
 class EmulatedBackend:
     """Sleeps through the training time of the tokens it is given (benchmarks)."""
 
     def __init__(self, cfg: Config) -> None:
         self.ec = cfg.trainer.emulated
+        self.passes = emulated_passes(cfg)
 
     def _sleep_for_tokens(self, tokens: int, passes: float) -> None:
         time.sleep(tokens * passes / self.ec.tokens_per_s * self.ec.time_scale)
@@ -149,7 +187,7 @@ class EmulatedBackend:
 
     def accumulate(self, group: Group) -> None:
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in group.samples)
-        self._sleep_for_tokens(tokens, 1.0 + self.ec.logprob_pass_factor)
+        self._sleep_for_tokens(tokens, self.passes)
 
     def optimizer_step(self) -> dict[str, float]:
         return {"loss": 0.0, "grad_norm": 0.0, "clipfrac": 0.0}

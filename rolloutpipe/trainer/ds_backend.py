@@ -33,10 +33,15 @@ elements whose gradient is near zero; ``tests/deepspeed``).  bf16 works through 
 optimizers; a setup that makes DeepSpeed pick ``BF16_Optimizer`` instead (bf16 with an fp32
 ``grad_accum_dtype`` at stage 1), which ignores the loss scale, is refused.
 
-Old logprobs: the engine's (group samples) or, with ``trainer.old_logprobs=frozen``, a plain
-module on every rank that ``begin_step`` fills with the full version-k weights (gathered under
-ZeRO-3).  ``publish`` gathers the full weights to rank 0 (layer by layer under ZeRO-3; in the
-engine's dtype), which writes safetensors + sha256 manifest after releasing the followers.
+Old logprobs: the engine's (group samples) or, with ``trainer.old_logprobs=recompute`` (the old
+name ``frozen`` is accepted), a plain module on every rank that ``begin_step`` fills with the full
+version-k weights (gathered under ZeRO-3).  The loss is ``grpo.group_loss``, as in
+``TorchBackend``: every aggregation mode (the normaliser counted from the whole group with
+``grpo.group_normaliser``), asymmetric and dual clipping, the log-ratio clamp and the entropy
+term, truncated importance sampling.  ``kl_coef > 0`` is refused at config load
+(``TrainerConfig``): this backend loads no reference model yet.  ``publish`` gathers the full
+weights to rank 0 (layer by layer under ZeRO-3; in the engine's dtype), which writes safetensors +
+sha256 manifest after releasing the followers.
 """
 
 from __future__ import annotations
@@ -60,7 +65,14 @@ from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.events import Group, PolicyVersion
 from rolloutpipe.config import Config
 from rolloutpipe.errors import ConfigError, RolloutPipeError
-from rolloutpipe.trainer.grpo import aggregate_sum, clipped_token_loss
+from rolloutpipe.trainer.grpo import (
+    TOKEN_STATS,
+    group_loss,
+    group_normaliser,
+    norm_len,
+    recomputes,
+    step_stats,
+)
 from rolloutpipe.trainer.weights import publish_weights
 
 if TYPE_CHECKING:
@@ -178,7 +190,9 @@ class _Replica:
         self.zero3 = dc.zero_stage == 3
         self.dtype = torch.bfloat16 if dc.dtype == "bf16" else torch.float32
         self.frozen: torch.nn.Module | None = None
-        self.norm = self.loss_sum = self.clipfrac_num = 0.0
+        self.norm_len = norm_len(cfg)
+        self.norm = 0.0
+        self.sums: dict[str, float] = {}
         log.info("rank %d/%d: ZeRO-%d, %s, %s", self.rank, self.world, dc.zero_stage, dc.dtype, backend)
 
     # --- commands over the gloo group -------------------------------------------------------
@@ -206,7 +220,7 @@ class _Replica:
     # --- the backend calls, run identically on every rank -----------------------------------
     def begin_step(self, version: int) -> None:
         """Fill the frozen version-k copy when old logprobs are recomputed rather than the engine's."""
-        if self.cfg.trainer.old_logprobs != "frozen":
+        if not recomputes(self.cfg.trainer):
             return
         import torch
 
@@ -221,56 +235,54 @@ class _Replica:
             for name, p in self.frozen.named_parameters():
                 p.copy_(params[name].data)
 
-    def _old_logprobs(self, samples: list[Any], logp: torch.Tensor) -> torch.Tensor:
+    def _recomputed(self, samples: list[Any]) -> torch.Tensor:
         import torch
 
         from rolloutpipe.policy import response_logprobs
 
-        if self.frozen is not None:
-            with torch.no_grad():
-                old, _ = response_logprobs(
-                    self.frozen,
-                    [s.prompt_ids for s in samples],
-                    [s.response_ids for s in samples],
-                    samples[0].temperature,
-                )
-            return old
-        old = torch.zeros_like(logp)
-        for i, s in enumerate(samples):
-            old[i, : len(s.logprobs)] = torch.from_numpy(s.logprobs.astype("float32"))
+        assert self.frozen is not None, "begin_step() must run before accumulate()"
+        with torch.no_grad():
+            old, _ = response_logprobs(
+                self.frozen,
+                [s.prompt_ids for s in samples],
+                [s.response_ids for s in samples],
+                samples[0].temperature,
+            )
         return old
 
     def accumulate(self, group: Group) -> None:
         import torch
 
-        from rolloutpipe.policy import BOS, response_logprobs
+        from rolloutpipe.policy import BOS, response_logprobs_entropy
+        from rolloutpipe.trainer.backends import engine_logprobs
 
         tc = self.cfg.trainer
         mine = group.samples[self.rank :: self.world]
-        self.norm += (
-            float(sum(len(s.response_ids) for s in group.samples))
-            if tc.loss_agg == "token-mean"
-            else float(len(group.samples))
-        )
+        lengths = [len(s.response_ids) for s in group.samples]
+        self.norm += group_normaliser(lengths, tc.loss_agg, self.norm_len)  # the whole group's
         num: torch.Tensor | None = None
         with torch.device(self.device):  # policy.response_logprobs builds its tensors here
             if mine:
-                logp, mask = response_logprobs(
+                logp, mask, ent = response_logprobs_entropy(
                     self.engine,
                     [s.prompt_ids for s in mine],
                     [s.response_ids for s in mine],
                     mine[0].temperature,  # the engine's: the request carried it
+                    entropy_grad=tc.entropy_coef != 0,
                 )
-                old = self._old_logprobs(mine, logp.detach())
+                engine = engine_logprobs(mine, logp)
+                old = self._recomputed(mine) if recomputes(tc) else engine
                 adv = torch.from_numpy(group.advantages[self.rank :: self.world].astype("float32"))
-                losses, clipped = clipped_token_loss(logp, old, adv.to(self.device), tc.clip_eps)
-                num, _ = aggregate_sum(losses, mask, tc.loss_agg)
-                self.clipfrac_num += float((clipped.float() * mask).sum().item())
+                # kl_coef > 0 is refused for this backend at config load (no reference model)
+                num, _, sums = group_loss(
+                    tc, logp, mask, adv.to(self.device), engine, old, None, ent, self.norm_len
+                )
+                for k, v in sums.items():
+                    self.sums[k] = self.sums.get(k, 0.0) + v
             if num is None or not num.requires_grad:  # nothing here: back up an exact zero
                 logits = self.engine(input_ids=torch.tensor([[BOS]])).logits
                 num = logits.float().sum() * 0.0
         self.engine.backward(num, scale_wrt_gas=False)
-        self.loss_sum += float(num.item())
 
     def optimizer_step(self) -> dict[str, float]:
         import torch
@@ -280,15 +292,16 @@ class _Replica:
         self.opt.override_loss_scale(norm / self.world)  # ZeRO divides by it: sum / world -> sum / N
         self.engine.step()
         self.opt.override_loss_scale(1.0)
-        sums = torch.tensor([self.loss_sum, self.clipfrac_num], dtype=torch.float64)
+        keys = ("loss", "tokens", *(k for k in TOKEN_STATS if k != "kl"))
+        sums = torch.tensor([self.sums.get(k, 0.0) for k in keys], dtype=torch.float64)
         dist.all_reduce(sums, group=self.cmd)
         gnorm = self.engine.get_global_grad_norm()
-        self.norm = self.loss_sum = self.clipfrac_num = 0.0
-        return {
-            "loss": float(sums[0]) / norm,
-            "grad_norm": float(gnorm) if gnorm is not None else float("nan"),
-            "clipfrac": float(sums[1]) / norm,
-        }
+        self.norm, self.sums = 0.0, {}
+        got = {k: float(x) for k, x in zip(keys, sums, strict=True)}
+        if self.cfg.trainer.tis_cap <= 0:
+            got.pop("tis_weight")
+        stats = step_stats(got, norm)
+        return {**stats, "grad_norm": float(gnorm) if gnorm is not None else float("nan")}
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
         """The full weights on rank 0 (None elsewhere); every rank must call it."""

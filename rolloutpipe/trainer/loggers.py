@@ -36,6 +36,7 @@ def step_scalars(m: StepMetrics) -> dict[str, float]:
         "perf/first_group_time": m.first_group_s,
         "perf/group_dispatch_latency_p50": m.dispatch_latency_p50_s,
         "perf/tokens_per_s": m.tokens / window,
+        **{f"actor/{k}": v for k, v in m.train.items()},  # verl's actor/* (pg_clipfrac, kl_loss, ...)
     }
 
 

@@ -71,6 +71,7 @@ class StepClock:
     rewards: list[float] = field(default_factory=list)
     samples: int = 0
     tokens: int = 0
+    train_stats: list[dict[str, float]] = field(default_factory=list)  # one per optimizer step
 
     def observe(self, g: Group, read_at: float) -> None:
         if not self.first_read:
@@ -164,6 +165,7 @@ class Trainer:
             tg = time.time()
             await asyncio.to_thread(self.backend.accumulate, g)
         stats = await asyncio.to_thread(self.backend.optimizer_step)
+        clock.train_stats.append(stats)
         clock.last_group = time.time() - tg
         dt = time.time() - t0
         clock.busy_intervals.append((t0, t0 + dt))
@@ -176,7 +178,7 @@ class Trainer:
     ) -> None:
         """The optimizer step at a mini-batch boundary of the pipelined schedule."""
         t0 = time.time()
-        await asyncio.to_thread(self.backend.optimizer_step)
+        clock.train_stats.append(await asyncio.to_thread(self.backend.optimizer_step))
         clock.mb_busy += time.time() - t0
         clock.busy_intervals.append((t0, time.time()))
         clock.last_group = time.time() - last_group_t0
@@ -313,6 +315,10 @@ class Trainer:
             train_end=train_end,
             eval_reward=eval_reward,
             eval_s=eval_s if eval_reward is not None else 0.0,
+            train={
+                k: float(np.mean([st[k] for st in clock.train_stats if k in st]))
+                for k in sorted({k for st in clock.train_stats for k in st})
+            },
         )
         await self.commit(step, m, consumed, entry_ids, trained, timeline)
         if self.logger is not None:

@@ -239,7 +239,7 @@ class Aggregator:
             group_id=gid,
             prompt_index=ordered[0].prompt_index,
             samples=ordered,
-            advantages=group_advantages(rewards),
+            advantages=group_advantages(rewards, self.cfg.trainer.adv_std, self.cfg.trainer.adv_eps),
             frontier=FrontierStatus(
                 minibatch=pos // gpm,
                 position=pos,

@@ -103,7 +103,18 @@ SAME_MATHS = [
     pytest.param(3, "fp32", "frozen", "token-mean", FP32, id="zero3-frozen"),
     pytest.param(2, "fp32", "frozen", "seq-mean-token-mean", FP32, id="zero2-frozen-seqmean"),
     pytest.param(3, "bf16", "engine", "token-mean", BF16, id="zero3-bf16"),
+    # the other loss options of docs/grpo.md, through the same grpo.group_loss
+    pytest.param(
+        2, "fp32", "recompute", "seq-mean-token-sum-norm", FP32, id="zero2-recompute-sumnorm-options"
+    ),
 ]
+# zero2-recompute-sumnorm-options also sets these (asymmetric clip, no dual clip, entropy) and TIS
+OPTIONS = (
+    "trainer.clip_low=0.1",
+    "trainer.clip_high=0.28",
+    "trainer.clip_ratio_c=null",
+    "trainer.entropy_coef=0.05",
+)
 
 
 @pytest.mark.parametrize(("stage", "dtype", "old_logprobs", "loss_agg", "tol"), SAME_MATHS)
@@ -118,6 +129,8 @@ def test_same_maths_as_torch_backend(
         f"trainer.deepspeed.dtype={dtype}",
         f"trainer.old_logprobs={old_logprobs}",
         f"trainer.loss_agg={loss_agg}",
+        *(OPTIONS if loss_agg.startswith("seq-mean-token-sum") else ()),
+        *(("trainer.tis_cap=1.5",) if loss_agg == "seq-mean-token-sum-norm" else ()),
     )
     rng = np.random.default_rng(stage)
     groups = [g for s in range(STEPS) for g in make_groups(cfg, s, rng)]
