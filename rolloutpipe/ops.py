@@ -365,6 +365,8 @@ def _details(ev: Event) -> list[str]:
             f"rollout_to_train_end {ev.rollout_to_train_end_s:.3f}s",
             f"wait {ev.trainer_wait_ratio:.3f}",
             f"groups {ev.groups} fence {ev.fence_rejections} dlq {ev.dead_letters}",
+            f"skipped {ev.groups_skipped} wasted {ev.samples_wasted}"
+            + ("" if ev.eval_reward is None else f" held-out {ev.eval_reward:.3f}"),
         ]
     if isinstance(ev, DeadLetter):
         kind = compact(ev.payload)["kind"]

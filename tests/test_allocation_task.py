@@ -149,3 +149,13 @@ def test_evaluator_uses_fixed_draws_and_the_verifier() -> None:
         for p in model.parameters():
             p.add_(torch.from_numpy(np.random.default_rng(0).normal(0, 0.5, tuple(p.shape))).float())
     assert ev(model) != a
+
+
+def test_tail_shows_skipped_wasted_and_held_out_reward() -> None:
+    from rolloutpipe.ops import _details
+
+    with_eval = " ".join(
+        _details(_m(3, 96, 32, 0.55, 0.0, 1.0, 0.1).model_copy(update={"groups_skipped": 2}))
+    )
+    assert "skipped 2 wasted 32 held-out 0.550" in with_eval
+    assert "held-out" not in " ".join(_details(_m(2, 96, 0, None, 0.0, 1.0, 0.0)))
