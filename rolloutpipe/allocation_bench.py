@@ -37,7 +37,10 @@ from rolloutpipe.config import Config, load_config
 from rolloutpipe.errors import ConfigError
 from rolloutpipe.runner import run_cluster
 
-SEEDED = ("task.seed", "rollout.seed", "trainer.seed", "model.seed", "model.warm_start.seed")
+# A seed varies the data order, the sampling and the trainer, never the base model: the target is an
+# absolute held-out reward, and base models warm-started from other seeds start 0.1 apart (0.34,
+# 0.21 and 0.24 held out in the first run of this suite, where two of three never reached it).
+SEEDED = ("task.seed", "rollout.seed", "trainer.seed")
 
 
 @dataclass(frozen=True)
