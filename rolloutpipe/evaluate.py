@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from rolloutpipe.config import Config
-from rolloutpipe.policy import CharCodec, decode_batch, sampler, text_codec
+from rolloutpipe.policy import decode_batch, sampler, text_codec
 from rolloutpipe.workers.task import import_string, load_dataset
 
 
@@ -23,7 +23,7 @@ class Evaluator:
         ec = cfg.eval
         self.every = ec.every
         prompts = load_dataset(cfg.task.dataset, ec.num_prompts, ec.seed, cfg.task.path, split="eval")
-        self.codec = text_codec(cfg.model) if cfg.model.path else CharCodec()
+        self.codec = text_codec(cfg.model)
         self.verifier = import_string(cfg.task.verifier)
         n = ec.samples_per_prompt
         self.items = [(p, j) for p in prompts for j in range(n)]
