@@ -45,8 +45,8 @@ TOOL_VARIABLES: dict[str, str] = {
     # the test suite's knobs
     "RP_TEST_MODEL_CACHE": "tests: where the tiny model is built once",
     "RP_CHAOS_SEED": "tests: replay one chaos schedule",
-    "RP_FUZZ_EXAMPLES": "tests: examples per fuzzed handler",
-    "RP_FUZZ_REAL_EXAMPLES": "tests: examples per handler against the real Redis",
+    "RP_FUZZ_EXAMPLES": "tests: examples per fuzzed decoder and handler (default 10,000)",
+    "RP_SUITE": "tests: the engine suite being run (deepspeed, vllm); its engine must import",
 }
 
 Mode = Literal["sync", "cgp", "cgp-fgd"]

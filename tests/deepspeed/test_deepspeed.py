@@ -34,16 +34,15 @@ import numpy as np
 import pytest
 import redis
 
-pytest.importorskip("deepspeed")
-pytestmark = [pytest.mark.deepspeed, pytest.mark.timeout(600)]
+from rolloutpipe.broker.codec import DEFAULT_CODEC
+from rolloutpipe.broker.events import GroupPlan, StepPlan
+from rolloutpipe.broker.streams import DATA, Keys
+from rolloutpipe.config import Config
+from tests.conftest import ROOT, make_config
+from tests.deepspeed.ds_groups import GPM, GROUPS, G, make_groups, minibatches
+from tests.helpers import load_weights, max_abs_diff, step_metrics, version
 
-from rolloutpipe.broker.codec import DEFAULT_CODEC  # noqa: E402
-from rolloutpipe.broker.events import GroupPlan, StepPlan  # noqa: E402
-from rolloutpipe.broker.streams import DATA, Keys  # noqa: E402
-from rolloutpipe.config import Config  # noqa: E402
-from tests.conftest import ROOT, make_config  # noqa: E402
-from tests.deepspeed.ds_groups import GPM, GROUPS, G, make_groups, minibatches  # noqa: E402
-from tests.helpers import load_weights, max_abs_diff, step_metrics, version  # noqa: E402
+pytestmark = [pytest.mark.deepspeed, pytest.mark.timeout(600)]
 
 STEPS = 2
 LR = 0.003

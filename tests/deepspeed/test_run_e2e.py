@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("deepspeed")
-pytestmark = [pytest.mark.deepspeed, pytest.mark.timeout(600)]
+from tests.conftest import ROOT
 
-from tests.conftest import ROOT  # noqa: E402
+pytestmark = [pytest.mark.deepspeed, pytest.mark.timeout(600)]
 
 
 def test_rolloutpipe_run_with_deepspeed_trainer(tmp_path: Path, model_cache: str) -> None:

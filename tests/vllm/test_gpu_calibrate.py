@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm")
-pytestmark = [pytest.mark.vllm]
+from rolloutpipe.config import load_config
 
-from rolloutpipe.config import load_config  # noqa: E402
+pytestmark = [pytest.mark.vllm]
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -18,11 +18,8 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-pytest.importorskip("vllm")
-
 import numpy as np
+import pytest
 import pytest_asyncio
 import redis
 import torch
