@@ -370,6 +370,9 @@ def _options_case(
         f"model.cache_dir={model_cache}",
         "trainer.lr=0.01",
         f"trainer.loss_agg={mode}",
+        # not 1 (the demo's max_new_tokens), or seq-mean-token-sum-norm could not be told from
+        # seq-mean-token-sum: a normaliser that forgot it passed here (checked by mutation)
+        "trainer.loss_agg_norm_len=6",
         f"trainer.old_logprobs={old}",
         *(("trainer.kl_coef=0.5", "trainer.kl_estimator=k3") if kl else ()),
         *extra,
