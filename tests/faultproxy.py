@@ -49,13 +49,15 @@ class _Conn:
 
 @dataclass
 class FaultProxy:
-    """``rates``: probability per reply of each kind (``{"drop": 0.01, ...}``); ``only``: command names
-    whose replies may be faulted at random (empty: every reply)."""
+    """``rates``: probability per reply of each kind (``{"drop": 0.01, ...}``); ``command_rates``: other
+    rates for the replies to some commands (``{"EVALSHA": {...}}``); ``only``: command names whose
+    replies may be faulted at random (empty: every reply)."""
 
     upstream_host: str
     upstream_port: int
     seed: int = 0
     rates: dict[str, float] = field(default_factory=dict)
+    command_rates: dict[str, dict[str, float]] = field(default_factory=dict)
     only: frozenset[str] = frozenset()
     delay_s: tuple[float, float] = (0.005, 0.05)
     settle_s: float = 0.02
@@ -157,11 +159,12 @@ class FaultProxy:
         if conn.armed:
             kind, conn.armed = conn.armed, ""
             return kind
-        if not self.enabled or not self.rates or (self.only and conn.command not in self.only):
+        rates = self.command_rates.get(conn.command, self.rates)
+        if not self.enabled or not rates or (self.only and conn.command not in self.only):
             return ""
         x = self.rng.random()
         for kind in KINDS:
-            p = self.rates.get(kind, 0.0)
+            p = rates.get(kind, 0.0)
             if x < p:
                 return kind
             x -= p
