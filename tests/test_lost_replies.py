@@ -505,7 +505,7 @@ async def test_a_run_through_lost_replies_trains_every_group_once(
         print("stats:", st, "dead letters:", [d.reason for d in dlq])
         assert st.get("dead_letters", 0) == len(dlq)
         assert sum(v for kk, v in st.items() if kk.startswith("dead_letters:")) == len(dlq)
-        assert len(dlq) == 0 and st.get("fence_rejections", 0) == 0
+        assert len(dlq) == 0 and st.get("fence_rejections", 0) == 0, [(d.role, d.step, d.reason) for d in dlq]
         for name in ("duplicate_samples", "duplicate_groups", "duplicate_seals"):
             assert st.get(name, 0) == 0, (name, st)
         for grp, stream in ((Groups.ROLLOUT, k.requests), (Groups.AGGREGATOR, k.samples),
