@@ -122,12 +122,16 @@ def _keys_in_code() -> set[str]:
     """Every key name ``Keys`` makes, with ``{k}`` for a step and ``{id}`` for a worker."""
     k = Keys("RUN")
     names = {v for a, v in vars(k).items() if isinstance(v, str) and a not in ("run", "prefix")}
-    names |= set(k.step_keys(7)) | {k.heartbeat("W")}
+    names |= set(k.step_keys(7)) | {k.heartbeat("W"), k.op("T")}
     out = set()
     for n in names:
         assert n.startswith(k.prefix), n
         short = n.removeprefix(k.prefix)
-        out.add(re.sub(r"(^|:)7(:|$)", r"\1{k}\2", short).replace("worker:W", "worker:{id}"))
+        out.add(
+            re.sub(r"(^|:)7(:|$)", r"\1{k}\2", short)
+            .replace("worker:W", "worker:{id}")
+            .replace("op:T", "op:{token}")
+        )
     return out
 
 

@@ -13,6 +13,10 @@ users and fresh random passwords, and ``docker-compose.yml`` spells the same rul
 * ``aggregator`` writes ``groups`` and ``feedback``, reads ``alloc``; ``trainer`` writes
   ``version``, ``control`` and ``consumed``.
 * ``observer`` only reads (``tail``, ``status``, healthchecks).
+
+Every role that writes runs its writes as the ``ONCE_LUA`` script (``EVALSHA``), recording each
+one's token in ``ops:k`` or ``op:<token>`` (``_ONCE``); Redis checks the commands inside the script
+against the same rules.
 """
 
 from __future__ import annotations
@@ -21,37 +25,40 @@ import secrets
 
 _TX = ["+multi", "+exec", "+discard"]
 _STREAM_CONSUMER = ["+xreadgroup", "+xack", "+xautoclaim", "+xgroup|create"]
+# writes applied at most once (``streams.ONCE_LUA``): the script, and its record of applied writes
+_ONCE_KEYS = ["~rp:*:ops:*", "~rp:*:op:*"]
+_ONCE = ["+evalsha", "+eval", "+script|load", "+get", "+set", "+hget", "+hset"]
 
 ROLE_RULES: dict[str, list[str]] = {
     "controller": [
         "~rp:*:requests", "~rp:*:control", "~rp:*:dlq", "~rp:*:stats", "~rp:*:plan:*",
         "~rp:*:released:*", "~rp:*:done", "~rp:*:samples", "~rp:*:groups", "~rp:*:finished:*",
         "~rp:*:emitted:*", "~rp:*:consumed:*", "~rp:*:feedback", "~rp:*:alloc:*", "~rp:*:closed:*",
-        "~rp:*:prompt_history", "%R~rp:*:version", "%R~rp:*:worker:*",
-        "-@all", "+@connection", *_TX, "+xadd", *_STREAM_CONSUMER, "+xrange", "+xrevrange", "+xread",
-        "+get", "+set", "+exists", "+incrby", "+hincrby", "+hget", "+hset", "+hgetall", "+scard",
+        "~rp:*:prompt_history", *_ONCE_KEYS, "%R~rp:*:version", "%R~rp:*:worker:*",
+        "-@all", "+@connection", *_TX, *_ONCE, "+xadd", *_STREAM_CONSUMER, "+xrange", "+xrevrange",
+        "+xread", "+exists", "+incrby", "+hincrby", "+hgetall", "+scard",
         "+scan", "+sadd", "+smembers", "+sismember", "+xtrim", "+xinfo|groups", "+xpending", "+xlen",
         "+del",
     ],
     "rollout": [
         "~rp:*:requests", "~rp:*:samples", "~rp:*:dlq", "~rp:*:stats", "~rp:*:finished:*",
-        "~rp:*:worker:*", "%R~rp:*:version", "%R~rp:*:control", "%R~rp:*:plan:*", "%R~rp:*:done",
-        "%R~rp:*:closed:*",
-        "-@all", "+@connection", *_TX, "+xadd", *_STREAM_CONSUMER, "+xclaim", "+xread", "+xrevrange",
-        "+get", "+set", "+del", "+exists", "+incr", "+incrby", "+hincrby", "+hget", "+scan", "+smembers",
+        "~rp:*:worker:*", *_ONCE_KEYS, "%R~rp:*:version", "%R~rp:*:control", "%R~rp:*:plan:*",
+        "%R~rp:*:done", "%R~rp:*:closed:*",
+        "-@all", "+@connection", *_TX, *_ONCE, "+xadd", *_STREAM_CONSUMER, "+xclaim", "+xread",
+        "+xrevrange", "+del", "+exists", "+incr", "+incrby", "+hincrby", "+scan", "+sadd", "+smembers",
     ],
     "aggregator": [
         "~rp:*:samples", "~rp:*:groups", "~rp:*:dlq", "~rp:*:stats", "~rp:*:emitted:*",
-        "~rp:*:feedback", "%R~rp:*:version", "%R~rp:*:plan:*", "%R~rp:*:done", "%R~rp:*:alloc:*",
-        "-@all", "+@connection", *_TX, "+xadd", *_STREAM_CONSUMER, "+evalsha", "+eval",
-        "+script|load", "+get", "+exists", "+sadd", "+sismember", "+scard", "+hincrby", "+hget",
-        "+hgetall",
+        "~rp:*:feedback", *_ONCE_KEYS, "%R~rp:*:version", "%R~rp:*:plan:*", "%R~rp:*:done",
+        "%R~rp:*:alloc:*",
+        "-@all", "+@connection", *_TX, *_ONCE, "+xadd", *_STREAM_CONSUMER, "+exists", "+sadd",
+        "+sismember", "+scard", "+hincrby", "+hgetall",
     ],
     "trainer": [
         "~rp:*:groups", "~rp:*:control", "~rp:*:version", "~rp:*:dlq", "~rp:*:stats",
-        "~rp:*:consumed:*", "%R~rp:*:plan:*", "%R~rp:*:done", "%R~rp:*:released:*",
-        "-@all", "+@connection", *_TX, "+xadd", "+xreadgroup", "+xack", "+xgroup|create", "+xread",
-        "+xrevrange", "+get", "+set", "+exists", "+sadd", "+smembers", "+hincrby", "+hget",
+        "~rp:*:consumed:*", *_ONCE_KEYS, "%R~rp:*:plan:*", "%R~rp:*:done", "%R~rp:*:released:*",
+        "-@all", "+@connection", *_TX, *_ONCE, "+xadd", "+xreadgroup", "+xack", "+xgroup|create",
+        "+xread", "+xrevrange", "+exists", "+sadd", "+smembers", "+hincrby",
     ],
     "observer": [
         "%R~rp:*", "-@all", "+@connection", *_TX, "+@read", "-@dangerous", "+xinfo|groups",

@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -62,21 +63,89 @@ class Groups:
     CONTROLLER = "controller"  # control (audit) and feedback
 
 
-# KEYS: emitted set, groups stream, samples stream, feedback stream.
-# ARGV: data field, aggregator group, maxlen, group id, group payload, feedback payload, entry ids...
-# The group goes out, its feedback with it, and its samples (and allocations) are acknowledged in one
-# script, only if the group id is new: a crash between any two of these cannot happen.
-EMIT_LUA = """
-local new = redis.call('SADD', KEYS[1], ARGV[4])
-if new == 1 then
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', ARGV[1], ARGV[5])
-  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[3], '*', ARGV[1], ARGV[6])
+# A write applied at most once (issue 15).  redis-py retries a command whose connection dropped
+# (``connect``), and Redis may have run it already: the reply, not the command, was lost.  Every
+# write that a repeat would change (an XADD, a counter) is one run of this script, with a token of
+# its own that a retry sends again:
+# KEYS[1]: the record of tokens already applied: the step's ``ops:k`` hash (ARGV[2] == '0'), or,
+#   for a write of no step, a key ``op:<token>`` of its own that expires after ARGV[2] seconds;
+# ARGV[1]: the token; KEYS[2..]: the key of each command; ARGV[3..]: each command as mode, number
+#   of arguments, name, arguments.  Mode 'g' is a guard (SADD, SET NX): if it changes nothing, the
+#   write was applied by another call and the commands after it are skipped; mode 'r': its reply
+#   is the write's result (else '1'; '0' when a guard skipped the rest).
+# A token already recorded returns the recorded result and runs nothing: the repeat is a no-op.
+ONCE_LUA = """
+local ttl = tonumber(ARGV[2])
+local done
+if ttl > 0 then done = redis.call('GET', KEYS[1]) else done = redis.call('HGET', KEYS[1], ARGV[1]) end
+if done then return done end
+local pos, ok, result = 3, true, '1'
+for c = 2, #KEYS do
+  local mode, n = ARGV[pos], tonumber(ARGV[pos + 1])
+  if ok then
+    local r = redis.call(ARGV[pos + 2], KEYS[c], unpack(ARGV, pos + 3, pos + 2 + n))
+    if mode == 'g' and r ~= 1 and not (type(r) == 'table' and r['ok'] == 'OK') then
+      ok, result = false, '0'
+    elseif mode == 'r' then
+      result = tostring(r)
+    end
+  end
+  pos = pos + 3 + n
 end
-for i = 7, #ARGV do
-  redis.call('XACK', KEYS[3], ARGV[2], ARGV[i])
+if ttl > 0 then
+  redis.call('SET', KEYS[1], result, 'EX', ttl)
+else
+  redis.call('HSET', KEYS[1], ARGV[1], result)
 end
-return new
+return result
 """
+OP_TTL_S = 3600  # a step-less write's token outlives any retry (``connect``: ~30 s) by far
+_CHUNK = 1000  # ids per SADD/XACK inside the script (Lua's unpack has a stack limit)
+
+
+class Once:
+    """The commands of one write, applied together and at most once by ``ONCE_LUA``.
+
+    Built like a redis-py pipeline; ``execute`` sends them with a fresh token, and redis-py's
+    retries resend that same token, so a repeat of a call whose reply was lost changes nothing.
+    Commands before a guard always run; those after it only if the guard changed something.
+    """
+
+    def __init__(self, broker: Broker, step: int | None) -> None:
+        self.b = broker
+        self.token = uuid.uuid4().hex
+        k = broker.keys
+        if step is not None and step >= 0:
+            self.record, self.ttl = k.ops(step), 0
+        else:
+            self.record, self.ttl = k.op(self.token), OP_TTL_S
+        self.keys: list[str] = []
+        self.args: list[Any] = []
+
+    def cmd(self, name: str, key: str, *args: Any, mode: str = "") -> Once:
+        self.keys.append(key)
+        self.args += [mode, len(args), name, *args]
+        return self
+
+    def xadd(self, stream: str, payload: bytes, *, mode: str = "") -> Once:
+        return self.cmd("XADD", stream, "MAXLEN", "~", self.b.maxlen, "*", DATA, payload, mode=mode)
+
+    def xack(self, stream: str, group: str, ids: Sequence[str]) -> Once:
+        for i in range(0, len(ids), _CHUNK):
+            self.cmd("XACK", stream, group, *ids[i : i + _CHUNK])
+        return self
+
+    def sadd(self, key: str, members: Sequence[str]) -> Once:
+        for i in range(0, len(members), _CHUNK):
+            self.cmd("SADD", key, *members[i : i + _CHUNK])
+        return self
+
+    async def execute(self) -> str:
+        """'0' if a guard found the write applied by another call; else '1' or the 'r' command's reply."""
+        if self.b._once is None:
+            self.b._once = self.b.r.register_script(ONCE_LUA)
+        out = await self.b._once(keys=[self.record, *self.keys], args=[self.token, self.ttl, *self.args])
+        return _s(out)
 
 
 def lag_of(groups_info: Any, group: str) -> int | None:
@@ -121,8 +190,20 @@ class Keys:
         return f"{self.prefix}released:{step}"
 
     def finished(self, step: int) -> str:
-        """Counter of requests of a step whose sample was published."""
+        """Counter of requests of a step whose sample was published (or that a worker dropped)."""
         return f"{self.prefix}finished:{step}"
+
+    def finished_ids(self, step: int) -> str:
+        """Set of the ``requests`` entry ids counted in ``finished:k`` (each request counts once)."""
+        return f"{self.prefix}finished:{step}:ids"
+
+    def ops(self, step: int) -> str:
+        """Hash token -> result of the writes of a step already applied (``ONCE_LUA``)."""
+        return f"{self.prefix}ops:{step}"
+
+    def op(self, token: str) -> str:
+        """The record of one applied write that has no step (it expires: ``OP_TTL_S``)."""
+        return f"{self.prefix}op:{token}"
 
     def consumed(self, step: int) -> str:
         return f"{self.prefix}consumed:{step}"
@@ -142,7 +223,8 @@ class Keys:
     def step_keys(self, step: int) -> list[str]:
         """Every per-step key (trimmed once the step is old)."""
         return [self.plan(step), self.emitted(step), self.released(step), self.released_ids(step),
-                self.finished(step), self.consumed(step), self.alloc(step), self.closed(step)]  # fmt: skip
+                self.finished(step), self.finished_ids(step), self.consumed(step), self.alloc(step),
+                self.closed(step), self.ops(step)]  # fmt: skip
 
     def heartbeat(self, worker: str) -> str:
         return f"{self.prefix}worker:{worker}"
@@ -219,7 +301,7 @@ class Broker:
         self.role = role
         self.maxlen = maxlen
         self.codec = codec or DEFAULT_CODEC
-        self._emit: Any = None  # the EMIT_LUA script, registered on first use
+        self._once: Any = None  # the ONCE_LUA script, registered on first use
 
     async def ensure_group(self, stream: str, group: str, start: str = "0") -> None:
         try:
@@ -231,9 +313,13 @@ class Broker:
     def encode(self, event: Event) -> bytes:
         return self.codec.encode(event)
 
+    def once(self, step: int | None) -> Once:
+        """A write applied at most once, however often a lost reply makes redis-py send it."""
+        return Once(self, step)
+
     async def publish(self, stream: str, event: Event) -> str:
-        eid = await self.r.xadd(stream, {DATA: self.encode(event)}, maxlen=self.maxlen, approximate=True)
-        return _s(eid)
+        """``event`` onto ``stream`` once (its entry id)."""
+        return await self.once(event.step).xadd(stream, self.encode(event), mode="r").execute()
 
     async def read(
         self,
@@ -294,7 +380,8 @@ class Broker:
 
         With ``ack_group`` the entry is acknowledged in the same transaction, so it is either still
         pending (and will be looked at again) or dead-lettered, never both or neither.  With
-        ``finished`` (a request a worker drops) the step's ``finished`` counter counts it too.
+        ``finished`` (a request a worker drops) the step's ``finished`` counter counts it too, unless
+        the request was counted already.  Applied once, even when its reply is lost and it is retried.
         """
         dl = DeadLetter(
             run=self.run,
@@ -307,20 +394,18 @@ class Broker:
             payload=payload if payload is not None else (entry.data if entry else b""),
             created_at=time.time(),
         )
-        pipe = self.r.pipeline(transaction=True)
-        pipe.xadd(self.keys.dlq, {DATA: self.encode(dl)}, maxlen=self.maxlen, approximate=True)
+        op = self.once(step).xadd(self.keys.dlq, self.encode(dl))
         if ack_group is not None and entry is not None:
-            pipe.xack(entry.stream, ack_group, entry.id)
-        if finished and step >= 0:  # a request dropped by a worker frees its engine slot
-            pipe.incr(self.keys.finished(step))
-        pipe.hincrby(self.keys.stats, "dead_letters", 1)
-        if counter != "dead_letters":
-            pipe.hincrby(self.keys.stats, counter, 1)
-        if step >= 0:
-            pipe.hincrby(self.keys.stats, f"dead_letters:{step}", 1)
-            if counter != "dead_letters":
-                pipe.hincrby(self.keys.stats, f"{counter}:{step}", 1)
-        await pipe.execute()
+            op.xack(entry.stream, ack_group, [entry.id])
+        names = ["dead_letters"] if counter == "dead_letters" else ["dead_letters", counter]
+        for name in names:
+            op.cmd("HINCRBY", self.keys.stats, name, 1)
+            if step >= 0:
+                op.cmd("HINCRBY", self.keys.stats, f"{name}:{step}", 1)
+        if finished and step >= 0 and entry is not None:  # a request dropped by a worker frees its slot
+            op.cmd("SADD", self.keys.finished_ids(step), entry.id, mode="g")
+            op.cmd("INCRBY", self.keys.finished(step), 1)
+        await op.execute()
         metrics.DEAD_LETTERS.labels(self.role).inc()
         if counter == "fence_rejections":
             metrics.FENCE_REJECTIONS.labels(self.role).inc()
@@ -359,11 +444,11 @@ class Broker:
         return int(v) if v is not None else 0
 
     async def incr(self, name: str, step: int | None = None, by: int = 1) -> None:
-        pipe = self.r.pipeline(transaction=True)
-        pipe.hincrby(self.keys.stats, name, by)
+        """Count ``by`` under ``name`` (and ``name:step``) in ``stats``, once."""
+        op = self.once(step).cmd("HINCRBY", self.keys.stats, name, by)
         if step is not None:
-            pipe.hincrby(self.keys.stats, f"{name}:{step}", by)
-        await pipe.execute()
+            op.cmd("HINCRBY", self.keys.stats, f"{name}:{step}", by)
+        await op.execute()
         metrics.BROKER_EVENTS.labels(self.role, name).inc(by)
 
     async def get_event(self, key: str, cls: type[E]) -> E | None:
@@ -421,24 +506,19 @@ class Broker:
         return await self.wait_control(lambda: self.plan(step), stop)
 
     async def write_plan(self, plan: StepPlan) -> None:
-        """The plan key and its announcement on ``control``, together."""
+        """The plan key and its announcement on ``control``, together, once: a step's plan is written
+        once (``SET NX``), and only the call that wrote it announces it."""
         raw = self.encode(plan)
-        pipe = self.r.pipeline(transaction=True)
-        pipe.set(self.keys.plan(plan.step), raw)
-        pipe.xadd(self.keys.control, {DATA: raw}, maxlen=self.maxlen, approximate=True)
-        await pipe.execute()
+        op = self.once(plan.step).cmd("SET", self.keys.plan(plan.step), raw, "NX", mode="g")
+        await op.xadd(self.keys.control, raw).execute()
 
     async def publish_version(self, pv: PolicyVersion, metrics_ev: StepMetrics | None) -> None:
-        """One MULTI: the previous step's metrics, the version key and its announcement."""
+        """Together and once: the previous step's metrics, the version key and its announcement."""
         raw = self.encode(pv)
-        pipe = self.r.pipeline(transaction=True)
+        op = self.once(pv.step)
         if metrics_ev is not None:
-            pipe.xadd(
-                self.keys.control, {DATA: self.encode(metrics_ev)}, maxlen=self.maxlen, approximate=True
-            )
-        pipe.set(self.keys.version, raw)
-        pipe.xadd(self.keys.control, {DATA: raw}, maxlen=self.maxlen, approximate=True)
-        await pipe.execute()
+            op.xadd(self.keys.control, self.encode(metrics_ev))
+        await op.cmd("SET", self.keys.version, raw).xadd(self.keys.control, raw).execute()
 
     async def step_metrics(self, step: int, look_back: int = 64) -> StepMetrics | None:
         """The trainer's metrics of ``step``, from the newest ``control`` entries."""
@@ -461,15 +541,14 @@ class Broker:
         return bool(await self.r.exists(self.keys.done))
 
     async def release(self, step: int, reqs: Sequence[RolloutRequest]) -> None:
-        """Requests onto ``requests`` and recorded as released (counter and id set), or neither."""
+        """Requests onto ``requests`` and recorded as released (counter and id set), or neither; once."""
         if not reqs:
             return
-        pipe = self.r.pipeline(transaction=True)
+        op = self.once(step)
         for rq in reqs:
-            pipe.xadd(self.keys.requests, {DATA: self.encode(rq)}, maxlen=self.maxlen, approximate=True)
-        pipe.incrby(self.keys.released(step), len(reqs))
-        pipe.sadd(self.keys.released_ids(step), *(rq.request_id for rq in reqs))
-        await pipe.execute()
+            op.xadd(self.keys.requests, self.encode(rq))
+        op.cmd("INCRBY", self.keys.released(step), len(reqs))
+        await op.sadd(self.keys.released_ids(step), [rq.request_id for rq in reqs]).execute()
 
     async def released_ids(self, step: int) -> set[str]:
         return {_s(x) for x in await self.r.smembers(self.keys.released_ids(step))}
@@ -483,22 +562,25 @@ class Broker:
         return int(await self.r.get(self.keys.finished(step)) or 0)
 
     async def publish_sample(self, sample: Sample, request_entry: str) -> None:
-        """The sample out and its request acknowledged and counted, in one MULTI."""
-        pipe = self.r.pipeline(transaction=True)
-        pipe.xadd(self.keys.samples, {DATA: self.encode(sample)}, maxlen=self.maxlen, approximate=True)
-        pipe.xack(self.keys.requests, Groups.ROLLOUT, request_entry)
-        pipe.incr(self.keys.finished(sample.step))
-        await pipe.execute()
+        """The request acknowledged, and its sample out and counted in ``finished:k``, atomically.
+
+        A request's sample goes out at most once (``finished:k:ids`` holds its entry id): a retry
+        whose first reply was lost, or a request redone after it was reclaimed, adds nothing.
+        """
+        k = self.keys
+        op = self.once(sample.step).xack(k.requests, Groups.ROLLOUT, [request_entry])
+        op.cmd("SADD", k.finished_ids(sample.step), request_entry, mode="g")
+        await op.xadd(k.samples, self.encode(sample)).cmd("INCRBY", k.finished(sample.step), 1).execute()
 
     async def write_allocation(self, alloc: Allocation) -> None:
-        """The decision on record (``alloc:k``), its news to the aggregator, and a close mark, together."""
+        """The decision on record (``alloc:k``), its news to the aggregator, and a close mark: together,
+        once."""
         raw = self.encode(alloc)
-        pipe = self.r.pipeline(transaction=True)
-        pipe.hset(self.keys.alloc(alloc.step), alloc.group_id, raw)
-        pipe.xadd(self.keys.samples, {DATA: raw}, maxlen=self.maxlen, approximate=True)
+        op = self.once(alloc.step).cmd("HSET", self.keys.alloc(alloc.step), alloc.group_id, raw)
+        op.xadd(self.keys.samples, raw)
         if alloc.status in ("closed", "skipped"):
-            pipe.sadd(self.keys.closed(alloc.step), alloc.group_id)
-        await pipe.execute()
+            op.cmd("SADD", self.keys.closed(alloc.step), alloc.group_id)
+        await op.execute()
 
     async def allocations(self, step: int) -> dict[str, Allocation]:
         raw: Any = await self.r.hgetall(self.keys.alloc(step))
@@ -523,17 +605,15 @@ class Broker:
     async def emit_group(self, group: Group, stats: GroupStats, entry_ids: Sequence[str]) -> bool:
         """Group to the trainer, its stats to the controller, its entries acknowledged: atomically.
 
-        False when the group was emitted before (a duplicate); its entries are acknowledged anyway.
+        The group goes out only if its id is new in ``emitted:k``.  False when another call emitted
+        it before (a duplicate); its entries are acknowledged anyway.  True when this call emitted
+        it, also when that first attempt's reply was lost and redis-py sent it again.
         """
-        if self._emit is None:
-            self._emit = self.r.register_script(EMIT_LUA)
         k = self.keys
-        new = await self._emit(
-            keys=[k.emitted(group.step), k.groups, k.samples, k.feedback],
-            args=[DATA, Groups.AGGREGATOR, self.maxlen, group.group_id, self.encode(group),
-                  self.encode(stats), *entry_ids],
-        )  # fmt: skip
-        return int(new) == 1
+        op = self.once(group.step).xack(k.samples, Groups.AGGREGATOR, list(entry_ids))
+        op.cmd("SADD", k.emitted(group.step), group.group_id, mode="g")
+        op.xadd(k.groups, self.encode(group)).xadd(k.feedback, self.encode(stats))
+        return await op.execute() == "1"
 
     async def consumed(self, step: int) -> set[str]:
         return {_s(m) for m in await self.r.smembers(self.keys.consumed(step))}

@@ -7,8 +7,8 @@
 * ``control`` is cut to its last ``redis.control_maxlen`` entries (``MAXLEN``, exact); ``dlq``
   keeps the ``redis.maxlen`` of every ``XADD``.
 * ``feedback`` (group statistics for the controller) is trimmed the same way.
-* Per-step keys (``Keys.step_keys``: plan, emitted, released and its ids, finished, consumed, alloc,
-  closed) older
+* Per-step keys (``Keys.step_keys``: plan, emitted, released and its ids, finished and its ids,
+  consumed, alloc, closed, and ``ops``, the record of the step's writes applied) older
   than the last ``redis.keep_steps`` are deleted.  Every role reads these keys only for the step
   under way (the trainer's exactly-once check reads ``consumed:k`` of its current step; the
   aggregator's ``emitted:k`` and ``plan:k`` of the sample's step, and a sample of a step that old is

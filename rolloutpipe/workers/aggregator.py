@@ -280,12 +280,15 @@ class Aggregator:
             )
             if not entries and time.monotonic() - last_sweep > PENDING_SWEEP_S:
                 # Samples delivered to us whose reply was lost (a dropped connection, a Redis
-                # restart) are pending without our having seen them; on_entry is idempotent for the
-                # ones already held in a partial group.
+                # restart) are pending without our having seen them.  The ones already held in a
+                # partial group are left out: one of them, taken after a group it belongs to went
+                # out with it, would count as a duplicate.
                 last_sweep = time.monotonic()
-                entries = await self.b.read(
+                held = {eid for part in self.partial.values() for _, eid in part.samples.values()}
+                mine = await self.b.read(
                     self.k.samples, GROUP, self.consumer, count=1000, block_ms=1, start="0"
                 )
+                entries = [e for e in mine if e.id not in held]
             for e in entries:
                 await self.on_entry(e)
             if not entries and await self.b.is_done():

@@ -60,6 +60,7 @@ from rolloutpipe.workers.task import Prompt, load_dataset
 log = logging.getLogger("rolloutpipe.controller")
 CONSUMER = "controller"
 CAPACITY_EVERY_S = 0.5  # how often live workers' slots are re-read while requests wait for them
+PENDING_SWEEP_S = 2.0  # how often, when idle, the controller re-reads its own pending feedback/control
 
 
 class Controller:
@@ -105,8 +106,13 @@ class Controller:
         """Consume ``control``: anything that is not a control event goes to dlq."""
         k = self.b.keys
         await self.b.ensure_group(k.control, Groups.CONTROLLER)
+        swept = time.monotonic()
         while not stop.is_set():
             entries = await self.b.read(k.control, Groups.CONTROLLER, CONSUMER, count=64, block_ms=200)
+            if not entries and time.monotonic() - swept > PENDING_SWEEP_S:  # a read whose reply was lost
+                swept = time.monotonic()
+                entries = await self.b.read(k.control, Groups.CONTROLLER, CONSUMER, count=64, block_ms=1,
+                                            start="0")  # fmt: skip
             for e in entries:
                 ev = await self.b.decode_or_dlq(e, Groups.CONTROLLER, (StepPlan, PolicyVersion, StepMetrics))
                 if ev is not None:
@@ -248,9 +254,16 @@ class Controller:
     async def drive(self, step: int, plan: StepPlan, view: StepView, stop: asyncio.Event) -> None:
         cap, cap_at = 0, 0.0
         sealed = plan.sealed
+        swept = time.monotonic()
         while not stop.is_set():
             todo = any(g.unreleased for g in view.groups.values())
-            for e in await self.b.read_feedback(CONSUMER, block_ms=5 if todo else 200):
+            entries = await self.b.read_feedback(CONSUMER, block_ms=5 if todo else 200)
+            if not entries and time.monotonic() - swept > PENDING_SWEEP_S:
+                # Feedback delivered to us whose reply was lost (a dropped connection) is pending
+                # without our having seen it; on_stats ignores news it already had.
+                swept = time.monotonic()
+                entries = await self.b.read_feedback(CONSUMER, block_ms=1, count=1024, start="0")
+            for e in entries:
                 ev = await self.b.decode_or_dlq(e, Groups.CONTROLLER, (GroupStats,))
                 if ev is not None:
                     assert isinstance(ev, GroupStats)
