@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: setup
-	$(BIN)/rolloutpipe run configs/demo.yaml --out runs/demo
+	$(BIN)/rolloutpipe run configs/digits.yaml --out runs/demo
 
 lint: setup
 	$(BIN)/ruff check rolloutpipe tests benchmarks

@@ -183,8 +183,10 @@ def run_cluster(
                     if isinstance(ev, StepMetrics):
                         metrics.append(ev)
                         if bar is not None:
+                            held_out = [m.eval_reward for m in metrics if m.eval_reward is not None]
                             bar.set_postfix(
                                 reward=f"{ev.reward_mean:.2f}",
+                                **({"held_out": f"{held_out[-1]:.3f}"} if held_out else {}),
                                 wait=f"{ev.trainer_wait_ratio:.2f}",
                                 r2t=f"{ev.rollout_to_train_end_s:.2f}s",
                             )
@@ -219,17 +221,24 @@ SUMMARY_FIELDS = (
 
 
 def summary_table(metrics: list[StepMetrics], every: int = 1) -> str:
-    rows = [m for i, m in enumerate(metrics) if i % every == 0 or i == len(metrics) - 1]
-    head = "| " + " | ".join(SUMMARY_FIELDS) + " |"
-    sep = "|" + "|".join("---" for _ in SUMMARY_FIELDS) + "|"
+    """Every ``every``-th step and the last; with held-out scores (``eval:``), an ``eval_reward``
+    column, and every scored step is shown."""
+    evals = any(m.eval_reward is not None for m in metrics)
+    fields = (*SUMMARY_FIELDS[:2], "eval_reward", *SUMMARY_FIELDS[2:]) if evals else SUMMARY_FIELDS
+    rows = [m for i, m in enumerate(metrics)
+            if i % every == 0 or i == len(metrics) - 1 or m.eval_reward is not None]  # fmt: skip
+    head = "| " + " | ".join(fields) + " |"
+    sep = "|" + "|".join("---" for _ in fields) + "|"
     lines = [head, sep]
     for m in rows:
         d = m.model_dump()
-        lines.append("| " + " | ".join(_fmt(d[f]) for f in SUMMARY_FIELDS) + " |")
+        lines.append("| " + " | ".join(_fmt(d[f]) for f in fields) + " |")
     return "\n".join(lines)
 
 
 def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
     return f"{v:.3f}" if isinstance(v, float) else str(v)
 
 
@@ -253,6 +262,8 @@ def write_report(cfg: Config, metrics: list[StepMetrics], out: Path) -> Path:
         "samples": sum(m.samples for m in metrics),  # trained: the rollouts that counted
         "groups_skipped": sum(m.groups_skipped for m in metrics),
         "samples_wasted": sum(m.samples_wasted for m in metrics),
+        # held-out reward (``eval:``): the step after which each version was scored, and its score
+        "eval_reward": [[m.step, m.eval_reward] for m in metrics if m.eval_reward is not None],
     }
     (out / "report.json").write_text(json.dumps(rep, indent=2))
     try:
@@ -263,7 +274,12 @@ def write_report(cfg: Config, metrics: list[StepMetrics], out: Path) -> Path:
 
         fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
         xs = [m.step for m in metrics]
-        ax[0].plot(xs, [m.reward_mean for m in metrics], marker=".")
+        ax[0].plot(xs, [m.reward_mean for m in metrics], marker=".", label="train (this step's rollouts)")
+        scored = [(m.step, m.eval_reward) for m in metrics if m.eval_reward is not None]
+        if scored:
+            ax[0].plot([x for x, _ in scored], [y for _, y in scored], marker="o", color="tab:red",
+                       label="held-out (eval split)")  # fmt: skip
+            ax[0].legend(loc="lower right", fontsize="small")
         ax[0].set(title="mean reward", xlabel="step", ylim=(0, 1.05))
         ax[1].plot(xs, [m.rollout_to_train_end_s for m in metrics], label="rollout-to-train-end (s)")
         ax[1].plot(xs, [m.trainer_wait_ratio for m in metrics], label="trainer wait ratio")

@@ -48,6 +48,25 @@ def test_run_demo_config_writes_metrics(tmp_path: Path, model_cache: str) -> Non
     assert "| step |" in p.stdout  # the summary table
 
 
+@pytest.mark.slow
+def test_make_demo_command_line_scores_held_out(tmp_path: Path, model_cache: str) -> None:
+    """``make demo``'s command line (``configs/digits.yaml``), shortened: multi-token answers, the
+    warm-started base model, and held-out scores in metrics.jsonl, report.json and the table."""
+    out = tmp_path / "digits"
+    p = _rp("run", "configs/digits.yaml", "--steps", "4", "--out", str(out), "--no-progress",
+            f"model.cache_dir={model_cache}", "eval.every=2", "eval.num_prompts=32")  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["eval_reward"] is not None for r in rows] == [False, True, False, True]
+    assert all(r["groups"] == 16 and r["samples"] == 256 for r in rows)
+    rep = json.loads((out / "report.json").read_text())
+    assert [s for s, _ in rep["eval_reward"]] == [1, 3]
+    assert [v for _, v in rep["eval_reward"]] == [rows[1]["eval_reward"], rows[3]["eval_reward"]]
+    assert "| step | reward_mean | eval_reward |" in p.stdout
+    assert (out / "report.png").stat().st_size > 1000
+
+
 def test_bench_compares_three_modes(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     p = _rp("bench", "--out", str(out), "--steps", "2", "--no-progress", *EMULATED_FAST)
