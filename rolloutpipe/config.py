@@ -42,11 +42,14 @@ TOOL_VARIABLES: dict[str, str] = {
     "RP_REDIS_AGGREGATOR_PASSWORD": "compose: the aggregator's Redis password",
     "RP_REDIS_TRAINER_PASSWORD": "compose: the trainer's Redis password",
     "RP_REDIS_OBSERVER_PASSWORD": "compose: the observer's (healthchecks) Redis password",
+    "RP_REDIS_IMAGE": "compose: the Redis service's image (default redis:7.2)",
+    "RP_BASE_IMAGE": "compose: the CPU image's base image (build arg BASE_IMAGE)",
+    "RP_TORCH_SOURCE": "compose: where the CPU image's torch wheel comes from (build arg TORCH_SOURCE)",
     # the test suite's knobs
     "RP_TEST_MODEL_CACHE": "tests: where the tiny model is built once",
     "RP_CHAOS_SEED": "tests: replay one chaos schedule",
     "RP_FUZZ_EXAMPLES": "tests: examples per fuzzed decoder and handler (default 10,000)",
-    "RP_SUITE": "tests: the engine suite being run (deepspeed, vllm); its engine must import",
+    "RP_SUITE": "tests: the suite being run (deepspeed, vllm: its engine must import; docker)",
 }
 
 Mode = Literal["sync", "cgp", "cgp-fgd"]
