@@ -255,7 +255,7 @@ def _wait(what: str, cond: Any, c: Compose, timeout: float) -> None:
         time.sleep(0.5)
 
 
-def _kill_mid_step(c: Compose, name: str, how: str) -> tuple[str, int, int]:
+def _kill_mid_step(c: Compose, name: str, how: str) -> tuple[str, int, float]:
     """Kill rollout replica ``name`` while it holds pending requests of a step in flight."""
     keys, obs = Keys(RUN), c.redis("observer")
     wid = _worker_id(c.containers()[name])
@@ -271,8 +271,19 @@ def _kill_mid_step(c: Compose, name: str, how: str) -> tuple[str, int, int]:
         assert p.returncode == 0, p.stderr
     else:  # its main process, from the host: what the OOM killer or a crash does
         os.kill(int(c.containers()[name]["State"]["Pid"]), signal.SIGKILL)
+    t = time.time()
     log(f"{how}: {name} ({wid}) holding {held} pending requests, policy version {step}")
-    return wid, step, held
+    return wid, step, t
+
+
+def _back(c: Compose, wid: str, killed_at: float) -> bool:
+    """The worker's heartbeat was written after its kill (so by the restarted process: the old one
+    is dead, and its key lives on for up to three heartbeats), and ``status --check --worker`` says
+    it is alive."""
+    raw: Any = c.redis("observer").get(Keys(RUN).heartbeat(wid))
+    if raw is None or json.loads(raw)["t"] <= killed_at:
+        return False
+    return _status_check(c, "--worker", wid).returncode == 0
 
 
 def _audit(out: Path, cfg_steps: int) -> dict[str, Any]:
@@ -339,7 +350,7 @@ def test_cpu_profile_in_containers_survives_killed_rollouts(
 
         # 1) `docker kill` mid-step: Docker leaves it stopped; the survivors reclaim; compose restarts it
         t_kill = time.monotonic()
-        wid1, v1, _ = _kill_mid_step(c, "rollout_1", "docker kill")
+        wid1, v1, t1 = _kill_mid_step(c, "rollout_1", "docker kill")
         time.sleep(8)  # > rollout.claim_idle_s (5 s): the other replicas take its requests over
         x = c.containers()["rollout_1"]
         st1 = x["State"]
@@ -348,15 +359,15 @@ def test_cpu_profile_in_containers_survives_killed_rollouts(
         p = c("start", "rollout")
         assert p.returncode == 0, p.stderr
         _wait("rollout_1 running again", lambda: c.containers()["rollout_1"]["State"]["Running"], c, 60)
-        _wait(f"{wid1}'s heartbeat back", lambda: _status_check(c, "--worker", wid1).returncode == 0, c, 120)
+        _wait(f"{wid1}'s heartbeat back", lambda: _back(c, wid1, t1), c, 120)
         times["docker_kill_to_heartbeat_s"] = time.monotonic() - t_kill
 
         # 2) the worker's process dies by itself (host SIGKILL): restart: on-failure brings it back
         t_kill = time.monotonic()
-        wid2, v2, _ = _kill_mid_step(c, "rollout_2", "SIGKILL of its main process from the host")
+        wid2, v2, t2 = _kill_mid_step(c, "rollout_2", "SIGKILL of its main process from the host")
         _wait("rollout_2 restarted by its restart policy",
               lambda: c.containers()["rollout_2"]["RestartCount"] >= 1, c, 60)  # fmt: skip
-        _wait(f"{wid2}'s heartbeat back", lambda: _status_check(c, "--worker", wid2).returncode == 0, c, 120)
+        _wait(f"{wid2}'s heartbeat back", lambda: _back(c, wid2, t2), c, 120)
         times["sigkill_to_heartbeat_s"] = time.monotonic() - t_kill
         v_back = version(obs, RUN)
         log(f"both killed workers heartbeat again at policy version {v_back} of {STEPS}")
