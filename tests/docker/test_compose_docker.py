@@ -119,9 +119,9 @@ def docker_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int | No
             log(f"started dockerd, pid {proc.pid}, in {time.monotonic() - t0:.0f} s")
         else:
             _stop(proc)
-            proc = None
             tail = logfile.read_text(errors="replace")[-1500:]
-            why = f"`dockerd` did not start (exit {proc and proc.returncode}); its log ends: {tail}"
+            why = f"`dockerd` did not start (exit {proc.returncode}); its log ends: {tail}"
+            proc = None
     if why:
         msg = f"docker-compose.yml cannot run in containers here: {why}"
         if _ci():
