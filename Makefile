@@ -49,4 +49,4 @@ bench: setup
 	$(BIN)/rolloutpipe bench --out runs/bench
 
 clean:
-	rm -rf $(VENV) .venv-ds .venv-vllm runs .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .venv-ds .venv-vllm runs .mypy_cache .ruff_cache .pytest_cache docker/wheels/*.whl
