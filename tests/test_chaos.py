@@ -23,12 +23,10 @@ from typing import Any
 import pytest
 import redis
 
-from rolloutpipe.broker.codec import iter_events
-from rolloutpipe.broker.events import Group
 from rolloutpipe.broker.streams import Keys
 from rolloutpipe.runner import RoleProc
 from tests.conftest import EMULATED_FAST, make_config
-from tests.helpers import version
+from tests.helpers import audit_group_log, version
 from tests.test_exactly_once import Driver, groups_on_stream, start_cluster, stop_cluster
 
 pytestmark = pytest.mark.slow
@@ -69,28 +67,9 @@ def audit(sr: redis.Redis, d: Driver) -> dict[str, int]:
     cfg = d.cluster.cfg
     B, G = cfg.controller.prompts_per_step, cfg.controller.group_size
     out, keys = Path(cfg.out), Keys(cfg.run)
-    trained = [g for g in iter_events((out / "groups.msgpack").read_bytes()) if isinstance(g, Group)]
-    planned = {(s, f"{s}:{g}") for s in range(STEPS) for g in range(B)}
-    counts = Counter((g.step, g.group_id) for g in trained)
-    samples = Counter(s.sample_id for g in trained for s in g.samples)
-    result = {
-        "groups_planned": len(planned),
-        "groups_trained": len(trained),
-        "groups_duplicated": sum(n - 1 for n in counts.values()),
-        "groups_lost": len(planned - set(counts)),
-        "groups_unexpected": len(set(counts) - planned),
-        "samples_duplicated": sum(n - 1 for n in samples.values()),
-    }
+    trained, result = audit_group_log(out, STEPS, B, G)
     print("chaos audit:", json.dumps(result))
-    assert result["groups_duplicated"] == 0, [k for k, n in counts.items() if n > 1]
-    assert result["groups_lost"] == 0, sorted(planned - set(counts))
-    assert result["groups_unexpected"] == 0
-    assert result["samples_duplicated"] == 0
-    for g in trained:  # whole groups, each sample once, all of the step's own version
-        assert sorted(s.sample_index for s in g.samples) == list(range(G)), g.group_id
-        assert g.policy_version == g.step and all(s.policy_version == s.step == g.step for s in g.samples)
-    # the log is in commit order: step by step, each step's groups together
-    assert [g.step for g in trained] == sorted(g.step for g in trained)
+    planned = {(s, f"{s}:{g}") for s in range(STEPS) for g in range(B)}
 
     # every step finished once, its metrics once on control and once in metrics.jsonl, and its
     # mini-batches are exactly the groups the log holds for it

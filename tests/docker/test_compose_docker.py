@@ -33,7 +33,6 @@ import subprocess
 import sys
 import time
 import uuid
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,12 +41,10 @@ import pytest
 import redis
 import yaml
 
-from rolloutpipe.broker.codec import iter_events
-from rolloutpipe.broker.events import Group
 from rolloutpipe.broker.streams import Keys
 from rolloutpipe.config import load_config
 from tests.conftest import ROOT, _ci
-from tests.helpers import version
+from tests.helpers import audit_group_log, version
 
 COMPOSE = ROOT / "docker-compose.yml"
 BASE = "rolloutpipe-base:bookworm"  # scripts/docker-base.sh's default
@@ -290,31 +287,11 @@ def _audit(out: Path, cfg_steps: int) -> dict[str, Any]:
     """The chaos test's exactly-once audit, on the trainer's committed-group log."""
     cfg = load_config(ROOT / "configs/demo.yaml", [], environ={})
     B, G = cfg.controller.prompts_per_step, cfg.controller.group_size
-    trained = [g for g in iter_events((out / "groups.msgpack").read_bytes()) if isinstance(g, Group)]
-    planned = {(s, f"{s}:{g}") for s in range(cfg_steps) for g in range(B)}
-    counts = Counter((g.step, g.group_id) for g in trained)
-    samples = Counter(s.sample_id for g in trained for s in g.samples)
-    result = {
-        "groups_planned": len(planned),
-        "groups_trained": len(trained),
-        "groups_duplicated": sum(n - 1 for n in counts.values()),
-        "groups_lost": len(planned - set(counts)),
-        "groups_unexpected": len(set(counts) - planned),
-        "samples_duplicated": sum(n - 1 for n in samples.values()),
-    }
+    trained, result = audit_group_log(out, cfg_steps, B, G)
     log(f"audit: {json.dumps(result)}")
-    assert result["groups_duplicated"] == 0, [k for k, n in counts.items() if n > 1]
-    assert result["groups_lost"] == 0, sorted(planned - set(counts))[:20]
-    assert result["groups_unexpected"] == 0
-    assert result["samples_duplicated"] == 0
-    for g in trained:  # whole groups, on-policy
-        assert sorted(s.sample_index for s in g.samples) == list(range(G)), g.group_id
-        assert g.policy_version == g.step and all(s.policy_version == s.step == g.step for s in g.samples)
-    assert [g.step for g in trained] == sorted(g.step for g in trained)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(cfg_steps))
-    result["trained"] = trained
-    return result
+    return {**result, "trained": trained}
 
 
 @pytest.mark.slow
