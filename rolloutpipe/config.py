@@ -76,13 +76,39 @@ class _Section(BaseModel):
 
 
 class TaskConfig(_Section):
-    """The verifiable task: dataset and verifier are dotted import paths."""
+    """The verifiable task: where the prompts come from and how a response is scored.
+
+    ``dataset`` is a format name (``verl``, ``slime``, ``hf``: files read with HF ``datasets``,
+    ``rolloutpipe/workers/data.py``) or a dotted path to ``f(num_prompts, seed, …) -> list[Prompt]``.
+    ``verifier`` is a dotted path (``pkg.mod:fn``) or a file (``path/to/file.py:fn``) to one of three
+    kinds of function, told apart by their parameters (``rolloutpipe/workers/reward.py``): ours,
+    ``f(response, answer) -> float``; verl's ``compute_score(data_source, solution_str, ground_truth,
+    extra_info)``; slime's ``async def rm(args, sample)``.
+    """
 
     dataset: str = "rolloutpipe.workers.task:mod10_addition"
     verifier: str = "rolloutpipe.workers.verifiers:first_char_match"
-    path: str = ""  # a file for datasets that read one (rolloutpipe.workers.task:jsonl)
+    path: str = ""  # the file (or HF ``save_to_disk`` folder) of datasets that read one
+    eval_path: str = ""  # file datasets: the held-out file that ``eval.every`` scores (empty: none)
+    # Field names, for the file formats (``rolloutpipe/workers/data.py`` gives each format's defaults):
+    # ``prompt_key``: a string or a list of chat messages; ``label_key``: the answer, dotted for a
+    # nested field (verl: ``reward_model.ground_truth``); ``metadata_key``: a mapping handed to the
+    # reward function (verl's ``extra_info``, slime's ``metadata``).  Empty: the format's default.
+    prompt_key: str = ""
+    label_key: str = ""
+    metadata_key: str = ""
     num_prompts: int = 1000
     seed: int = 0
+    # Scoring runs off the worker's event loop: "inline" calls the verifier in the worker (for cheap
+    # exact checks), "process" in a pool of ``verifier_processes`` processes where a call that takes
+    # longer than ``verifier_timeout_s`` is killed and scores 0 (counted as ``verifier_timeouts``);
+    # "auto": inline for the verifiers marked cheap (``verifiers.py``), else process.
+    verifier_pool: Literal["auto", "inline", "process"] = "auto"
+    verifier_processes: int = Field(default=2, ge=1)
+    verifier_timeout_s: float = Field(default=10.0, gt=0.0)
+    # Extra keyword arguments for a verl ``compute_score`` (verl's ``reward_kwargs``), or the fields of
+    # the ``args`` namespace a slime reward function receives.
+    reward_args: dict[str, Any] = Field(default_factory=dict)
 
 
 class WarmStartConfig(_Section):

@@ -64,6 +64,8 @@ def _wire_type(ann: Any, metadata: list[Any]) -> str:
         return f"`{_kind(ann)}` map"
     if isinstance(ann, type) and issubclass(ann, BaseModel):
         return f"`{ann.__name__}` map"
+    if ann is Any:
+        return "any msgpack value"
     names = {str: "str", int: "int", float: "float", bool: "bool", bytes: "bin"}
     if ann in names:
         return names[ann]
