@@ -135,6 +135,16 @@ def _cfg(args: argparse.Namespace, extra: list[str]) -> Config:
     return load_config(args.config or None, [*args.overrides, *extra])
 
 
+def check_task(cfg: Config) -> None:
+    """Read the dataset (and its held-out split) once here, so that a bad file or field is one clear
+    error before any role starts, not a role that dies; rows without an answer are reported here."""
+    from rolloutpipe.workers.task import task_prompts
+
+    task_prompts(cfg.task, cfg.task.num_prompts, cfg.task.seed)
+    if cfg.eval.every:
+        task_prompts(cfg.task, cfg.eval.num_prompts, cfg.eval.seed, split="eval")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from rolloutpipe.runner import run_embedded, summary_table, write_report
 
@@ -148,6 +158,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = _cfg(args, extra)
     setup_logging(cfg.log_level, "run")
     out = Path(cfg.out)
+    check_task(cfg)
     if cfg.rollout.engine == "transformers" or cfg.trainer.backend == "torch":
         from rolloutpipe.policy import ensure_model
 

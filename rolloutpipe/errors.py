@@ -27,3 +27,7 @@ class ConfigError(RolloutPipeError):
 
 class PolicyError(RolloutPipeError):
     """A scheduling policy decided something the controller cannot apply (a bug in the policy)."""
+
+
+class RoleError(RolloutPipeError):
+    """A role process that ``rolloutpipe run`` started exited before the run ended."""

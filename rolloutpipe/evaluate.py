@@ -15,19 +15,19 @@ import numpy as np
 
 from rolloutpipe.config import Config
 from rolloutpipe.policy import decode_batch, sampler, text_codec
-from rolloutpipe.workers.task import import_string, load_dataset
+from rolloutpipe.workers.task import import_string, task_prompts
 
 
 class Evaluator:
     def __init__(self, cfg: Config) -> None:
         ec = cfg.eval
         self.every = ec.every
-        prompts = load_dataset(cfg.task.dataset, ec.num_prompts, ec.seed, cfg.task.path, split="eval")
+        prompts = task_prompts(cfg.task, ec.num_prompts, ec.seed, split="eval")
         self.codec = text_codec(cfg.model)
         self.verifier = import_string(cfg.task.verifier)
         n = ec.samples_per_prompt
         self.items = [(p, j) for p in prompts for j in range(n)]
-        self.ids = [self.codec.encode_prompt(p.text) for p, _ in self.items]
+        self.ids = [self.codec.encode_prompt(p.text, p.messages) for p, _ in self.items]
         self.seeds = [ec.seed * 1_000_003 + i for i in range(len(self.items))]
         self.temperature = cfg.rollout.temperature
         self.max_new = cfg.rollout.max_new_tokens

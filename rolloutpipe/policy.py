@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -45,11 +46,15 @@ class PickToken(Protocol):
 
 
 class TextCodec(Protocol):
-    """Prompt text -> token ids (BOS/chat template included); response ids -> text."""
+    """Prompt text -> token ids (BOS/chat template included); response ids -> text.
+
+    ``messages`` (a dataset's prompt as a conversation, ``workers/data.py``) go through the chat
+    template where the codec has one; ``text`` (their contents) is what a codec without one encodes.
+    """
 
     eos_token_id: int
 
-    def encode_prompt(self, text: str) -> np.ndarray: ...
+    def encode_prompt(self, text: str, messages: Sequence[Mapping[str, str]] = ()) -> np.ndarray: ...
 
     def decode(self, ids: np.ndarray) -> str: ...
 
@@ -62,7 +67,7 @@ class CharCodec:
     def __init__(self) -> None:
         self.ids = {t: i for i, t in enumerate(VOCAB)}
 
-    def encode_prompt(self, text: str) -> np.ndarray:
+    def encode_prompt(self, text: str, messages: Sequence[Mapping[str, str]] = ()) -> np.ndarray:
         try:
             return np.asarray([BOS] + [self.ids[c] for c in text], dtype=np.int32)
         except KeyError as e:
@@ -85,9 +90,9 @@ class HFTextCodec:
             raise ValueError(f"the tokenizer at {path} has no eos_token_id")
         self.eos_token_id = int(eos)
 
-    def encode_prompt(self, text: str) -> np.ndarray:
+    def encode_prompt(self, text: str, messages: Sequence[Mapping[str, str]] = ()) -> np.ndarray:
         if self.chat:
-            msgs = [{"role": "user", "content": text}]
+            msgs = [dict(m) for m in messages] or [{"role": "user", "content": text}]
             ids = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
             if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in newer transformers
                 ids = ids["input_ids"]

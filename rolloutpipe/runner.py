@@ -20,7 +20,7 @@ from rolloutpipe.broker.embedded import EmbeddedRedis, Supervisor, find_redis_se
 from rolloutpipe.broker.events import StepMetrics
 from rolloutpipe.broker.streams import Keys, connect_sync
 from rolloutpipe.config import Config, TrainerConfig
-from rolloutpipe.errors import CodecError
+from rolloutpipe.errors import CodecError, RoleError
 
 log = logging.getLogger("rolloutpipe.run")
 
@@ -163,7 +163,7 @@ def run_cluster(
         while len(metrics) < cfg.controller.steps:
             bad = cluster.failed()
             if bad is not None:
-                raise RuntimeError(
+                raise RoleError(
                     f"role {bad.name} exited with code {bad.proc.returncode}; last lines of {bad.log_path}:\n"
                     + tail(bad.log_path)
                 )

@@ -55,7 +55,7 @@ from rolloutpipe.workers.policies.base import (
     StepInfo,
     StepView,
 )
-from rolloutpipe.workers.task import Prompt, load_dataset
+from rolloutpipe.workers.task import Prompt, task_prompts
 
 log = logging.getLogger("rolloutpipe.controller")
 CONSUMER = "controller"
@@ -68,7 +68,7 @@ class Controller:
         self.cfg = cfg
         self.cc = cfg.controller
         self.b = broker
-        self.prompts = load_dataset(cfg.task.dataset, cfg.task.num_prompts, cfg.task.seed, cfg.task.path)
+        self.prompts = task_prompts(cfg.task, cfg.task.num_prompts, cfg.task.seed)
         self.policy = policy if policy is not None else make_policy(cfg.controller)
         self.history: dict[int, list[PromptRecord]] = {}
         self._history_dirty: set[int] = set()  # prompts whose history is not saved yet
@@ -499,6 +499,9 @@ class Controller:
             minibatch_hint=g.minibatch,
             queue_share_of=share,
             released_at=time.time(),
+            messages=list(p.messages),
+            data_source=p.data_source,
+            extra_info=p.extra_info,
         )
 
 

@@ -13,17 +13,26 @@ import json
 import random
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rolloutpipe.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rolloutpipe.config import TaskConfig
 
 
 @dataclass(frozen=True)
 class Prompt:
+    """A prompt and its answer; a file dataset (``data.py``) may also give the prompt as chat
+    ``messages`` (then ``text`` is their contents) and what a verl or slime reward function reads."""
+
     text: str
     answer: str
+    messages: tuple[dict[str, str], ...] = field(default=(), hash=False)
+    data_source: str = ""
+    extra_info: dict[str, Any] = field(default_factory=dict, hash=False)
 
 
 def mod10_addition(num_prompts: int, seed: int) -> list[Prompt]:
@@ -118,15 +127,52 @@ def import_string(dotted: str) -> Any:
         raise ConfigError(f"cannot import {dotted!r}: {e}") from e
 
 
-def load_dataset(dotted: str, num_prompts: int, seed: int, path: str = "", split: str = "") -> list[Prompt]:
-    """The dataset's prompts; ``split`` ("train" or "eval") only for datasets that take one."""
-    fn: Callable[..., list[Prompt]] = import_string(dotted)
+# ``task.dataset`` names of the shipped readers (any other value is a dotted path)
+DATASETS = {
+    "verl": "rolloutpipe.workers.data:verl",
+    "slime": "rolloutpipe.workers.data:slime",
+    "hf": "rolloutpipe.workers.data:hf",
+    "jsonl": "rolloutpipe.workers.task:jsonl",
+}
+
+
+def load_dataset(
+    dotted: str, num_prompts: int, seed: int, path: str = "", split: str = "", **options: str
+) -> list[Prompt]:
+    """The dataset's prompts; ``split`` ("train" or "eval") only for datasets that take one.
+
+    ``options`` (``eval_path``, ``prompt_key`` …: the file datasets' ``task.*`` keys) go to the
+    dataset when set; setting one that the dataset does not take is an error, not ignored.
+    """
+    fn: Callable[..., list[Prompt]] = import_string(DATASETS.get(dotted, dotted))
+    params = inspect.signature(fn).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     kw: dict[str, str] = {"path": path} if path else {}
+    kw.update({k: v for k, v in options.items() if v})
+    ignored = [k for k in kw if k != "path" and k not in params and not takes_any]
+    if ignored:
+        keys = ", ".join(f"task.{k}" for k in ignored)
+        raise ConfigError(f"dataset {dotted!r} does not read {keys}: unset it, or use a file dataset")
     if split:
-        if "split" not in inspect.signature(fn).parameters:
+        if "split" not in params and not takes_any:
             raise ConfigError(f"dataset {dotted!r} has no held-out split (it takes no 'split' argument)")
         kw["split"] = split
     prompts = fn(num_prompts, seed, **kw)
     if not prompts:
         raise ConfigError(f"dataset {dotted!r} returned no prompts")
     return prompts
+
+
+def task_prompts(task: TaskConfig, num_prompts: int, seed: int, split: str = "") -> list[Prompt]:
+    """``load_dataset`` with the task config's file and field options."""
+    return load_dataset(
+        task.dataset,
+        num_prompts,
+        seed,
+        task.path,
+        split,
+        eval_path=task.eval_path,
+        prompt_key=task.prompt_key,
+        label_key=task.label_key,
+        metadata_key=task.metadata_key,
+    )

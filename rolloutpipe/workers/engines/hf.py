@@ -81,7 +81,7 @@ class TransformersEngine:
                     p.fut.set_result(g)
 
     def _generate_batch(self, reqs: list[RolloutRequest]) -> list[Generation]:
-        prompts = [self.codec.encode_prompt(r.prompt) for r in reqs]
+        prompts = [self.codec.encode_prompt(r.prompt, r.messages) for r in reqs]
         pick = sampler([r.temperature for r in reqs], [r.seed for r in reqs])
         resp, lps = decode_batch(
             self.model, prompts, [r.max_new_tokens for r in reqs], self.codec.eos_token_id, pick

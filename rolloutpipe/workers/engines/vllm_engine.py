@@ -138,7 +138,7 @@ class VllmEngine:
     async def generate(self, req: RolloutRequest) -> Generation:
         if self.llm is None:
             await self.start()
-        prompt = self.codec.encode_prompt(req.prompt)
+        prompt = self.codec.encode_prompt(req.prompt, req.messages)
         tokens = _vllm("vllm.inputs").TokensPrompt(prompt_token_ids=prompt.tolist())
         params = self.sampling_params(req)
         rid = f"{req.request_id}#{next(self._ids)}"  # a redone request never reuses a live id
