@@ -137,9 +137,12 @@ def _cfg(args: argparse.Namespace, extra: list[str]) -> Config:
 
 def check_task(cfg: Config) -> None:
     """Read the dataset (and its held-out split) once here, so that a bad file or field is one clear
-    error before any role starts, not a role that dies; rows without an answer are reported here."""
+    error before any role starts, not a role that dies; rows without an answer are reported here.
+    The reward function is loaded and classified here too."""
+    from rolloutpipe.workers.reward import check_verifier
     from rolloutpipe.workers.task import task_prompts
 
+    check_verifier(cfg.task)
     task_prompts(cfg.task, cfg.task.num_prompts, cfg.task.seed)
     if cfg.eval.every:
         task_prompts(cfg.task, cfg.eval.num_prompts, cfg.eval.seed, split="eval")

@@ -15,7 +15,8 @@ import numpy as np
 
 from rolloutpipe.config import Config
 from rolloutpipe.policy import decode_batch, sampler, text_codec
-from rolloutpipe.workers.task import import_string, task_prompts
+from rolloutpipe.workers.reward import ScoreInput, Scorer
+from rolloutpipe.workers.task import task_prompts
 
 
 class Evaluator:
@@ -24,7 +25,7 @@ class Evaluator:
         self.every = ec.every
         prompts = task_prompts(cfg.task, ec.num_prompts, ec.seed, split="eval")
         self.codec = text_codec(cfg.model)
-        self.verifier = import_string(cfg.task.verifier)
+        self.scorer = Scorer(cfg.task)  # as the rollout workers score: same pool, same timeout
         n = ec.samples_per_prompt
         self.items = [(p, j) for p in prompts for j in range(n)]
         self.ids = [self.codec.encode_prompt(p.text, p.messages) for p, _ in self.items]
@@ -49,7 +50,9 @@ class Evaluator:
             if was_training:
                 model.train()
         rewards = [
-            float(self.verifier(self.codec.decode(np.asarray(r)), p.answer))
+            self.scorer.score_sync(
+                ScoreInput(self.codec.decode(np.asarray(r)), p.answer, p.text, p.data_source, p.extra_info)
+            ).reward
             for r, (p, _) in zip(resp, self.items, strict=True)
         ]
         return sum(rewards) / len(rewards)

@@ -141,7 +141,7 @@ def test_evaluator_uses_fixed_draws_and_the_verifier() -> None:
     cfg = load_config(ROOT / "configs" / "allocation.yaml", ["eval.num_prompts=64"], environ={})
     ev = Evaluator(cfg)
     assert all(digit_ops_is_eval(p.text) for p, _ in ev.items)
-    assert ev.verifier is exact_match
+    assert ev.scorer.fn is exact_match and ev.scorer.mode == "inline"  # a cheap check: no pool
     model = load_model(ensure_model(cfg.model), 1)
     a, b = ev(model), ev(model)
     assert a == b  # the same weights, the same draws: the same score

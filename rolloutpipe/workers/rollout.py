@@ -19,7 +19,6 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
 
 from rolloutpipe import metrics
 from rolloutpipe.broker.events import RolloutRequest, Sample
@@ -28,7 +27,7 @@ from rolloutpipe.config import Config
 from rolloutpipe.errors import WeightsVerificationError
 from rolloutpipe.runtime import close_client, wait_event
 from rolloutpipe.workers.engines import Engine, make_engine
-from rolloutpipe.workers.task import import_string
+from rolloutpipe.workers.reward import ScoreInput, Scorer
 
 log = logging.getLogger("rolloutpipe.rollout")
 GROUP = Groups.ROLLOUT
@@ -41,7 +40,7 @@ class RolloutWorker:
         self.k = broker.keys
         self.engine = engine
         self.id = worker_id
-        self.verifier: Callable[[str, str], float] = import_string(cfg.task.verifier)
+        self.scorer = Scorer(cfg.task)
         self.version = -1
         self.inflight: dict[str, asyncio.Task[None]] = {}
         self.inflight_reqs: dict[str, tuple[Entry, RolloutRequest]] = {}
@@ -177,7 +176,14 @@ class RolloutWorker:
             if self.version != req.policy_version:
                 await self.drop(entry, req, f"weights changed to {self.version} during generation")
                 return
-            reward = float(self.verifier(gen.text, req.answer))
+            score = await self.scorer.score(
+                ScoreInput(gen.text, req.answer, req.prompt, req.data_source, req.extra_info)
+            )
+            if score.outcome != "ok":
+                # scored 0 and counted; the response is trained on as a wrong one (never retried)
+                log.warning("verifier %s on request %s: %s", score.outcome, req.request_id, score.detail)
+                await self.b.incr("verifier_timeouts" if score.outcome == "timeout" else "verifier_errors")
+            reward = score.reward
             sample = Sample(
                 run=req.run,
                 step=req.step,
@@ -281,6 +287,7 @@ class RolloutWorker:
             await asyncio.gather(*self.inflight.values(), return_exceptions=True)
             await hb
             await self.engine.close()
+            self.scorer.close()
         return 0
 
 
