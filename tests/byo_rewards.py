@@ -23,3 +23,15 @@ async def custom_rm(args: Any, sample: Any) -> float:
     if sample.metadata.get("tag") != "m":
         raise ValueError(f"the row's metadata did not arrive: {sample.metadata!r}")
     return float(args.correct_reward) if sample.response.strip()[:1] == str(sample.label) else 0.0
+
+
+# A response crafted to make math-verify hang: sympy evaluates the power tower for hours.
+TOWER = "\\boxed{9^{9^{9^{9^{9}}}}}"
+
+
+def tower_when_seven(response: str, answer: str) -> float:
+    """``verifiers.math_verify``, but a response to a prompt whose answer is 7 is replaced by
+    :data:`TOWER` (a tiny model cannot write one itself): those calls hang until the pool's timeout."""
+    from rolloutpipe.workers.verifiers import math_verify
+
+    return math_verify(TOWER if answer == "7" else response.strip()[:1], answer)

@@ -140,11 +140,19 @@ def classify(fn: Callable[..., Any], spec: str) -> Kind:
     )
 
 
+class BadReward(ValueError):
+    """A reward function returned something that is not a finite number."""
+
+
+def _reason(e: Exception) -> str:
+    return (str(e) if isinstance(e, BadReward) else f"{type(e).__name__}: {e}")[:500]
+
+
 def to_reward(result: Any, reward_key: str) -> float:
-    """A reward function's result as a finite float (ValueError: it is not one)."""
+    """A reward function's result as a finite float (:class:`BadReward`: it is not one)."""
     if isinstance(result, Mapping):
         if reward_key not in result:
-            raise ValueError(f"it returned a dict without {reward_key!r} (keys: {sorted(result)})")
+            raise BadReward(f"it returned a dict without {reward_key!r} (keys: {sorted(result)})")
         result = result[reward_key]
     if isinstance(result, bool):
         return float(result)
@@ -152,10 +160,10 @@ def to_reward(result: Any, reward_key: str) -> float:
         try:
             result = float(result)  # numpy and torch scalars
         except (TypeError, ValueError):
-            raise ValueError(f"it returned {type(result).__name__}, not a number") from None
+            raise BadReward(f"it returned {type(result).__name__}, not a number") from None
     value = float(result)
     if not math.isfinite(value):
-        raise ValueError(f"it returned {value}")
+        raise BadReward(f"it returned {value}")
     return value
 
 
@@ -216,7 +224,7 @@ def _child_main(fd: int) -> None:
         try:
             conn.send(("ok", call.run_sync(x)))
         except Exception as e:
-            conn.send(("error", f"{type(e).__name__}: {e}"[:500]))
+            conn.send(("error", _reason(e)))
 
 
 class _Proc:
@@ -341,7 +349,7 @@ class Scorer:
         try:
             return Score(self.call.run_sync(x))
         except Exception as e:
-            return Score(0.0, "error", f"{type(e).__name__}: {e}"[:500])
+            return Score(0.0, "error", _reason(e))
 
     async def score(self, x: ScoreInput) -> Score:
         if self.pool is not None:
@@ -354,7 +362,7 @@ class Scorer:
             except TimeoutError:
                 return Score(0.0, "timeout", f"no result within {self.timeout_s:g} s")
             except Exception as e:
-                return Score(0.0, "error", f"{type(e).__name__}: {e}"[:500])
+                return Score(0.0, "error", _reason(e))
         return self._inline(x)
 
     def score_sync(self, x: ScoreInput) -> Score:
