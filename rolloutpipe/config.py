@@ -15,12 +15,22 @@ from __future__ import annotations
 
 import difflib
 import logging
+import os
+from collections.abc import Callable, Mapping
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
 
 from rolloutpipe.errors import ConfigError
 
@@ -394,7 +404,10 @@ class RedisConfig(_Section):
 
 
 class Config(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="RP_", env_nested_delimiter="__", extra="forbid")
+    # What ``_EnvSource`` (``load_config``) reads: ``RP_<KEY>``, ``RP_<SECTION>__<KEY>…``, any case.
+    model_config = SettingsConfigDict(
+        env_prefix="RP_", env_nested_delimiter="__", case_sensitive=False, extra="forbid"
+    )
 
     run: str = "demo"
     out: str = "runs/demo"
@@ -454,8 +467,10 @@ class Config(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # init kwargs carry YAML merged with CLI overrides; env sits between them (see load_config).
-        return (init_settings,)
+        """Highest first: ``Config(...)``'s arguments, then, inside :func:`load_config` only, the
+        command line, the ``RP_…`` environment and the config file; the library deep-merges them over
+        the defaults.  ``Config()`` alone reads neither the environment nor a file."""
+        return (init_settings, *_LOAD_SOURCES.get())
 
     def dump_yaml(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -464,102 +479,62 @@ class Config(BaseSettings):
         path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
-def _set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    cur = d
-    for p in parts[:-1]:
-        nxt = cur.setdefault(p, {})
-        if not isinstance(nxt, dict):
-            raise ConfigError(f"cannot set {dotted!r}: {p!r} is not a section")
-        cur = nxt
-    cur[parts[-1]] = value
+# --- loading: three pydantic-settings sources, highest first (Config.settings_customise_sources) ---
+
+# The sources of the load in progress; empty outside load_config, so Config(...) reads nothing else.
+_LOAD_SOURCES: ContextVar[tuple[PydanticBaseSettingsSource, ...]] = ContextVar("_LOAD_SOURCES", default=())
 
 
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """``["a.b=3", "c=x"]`` -> nested dict; values are parsed as YAML scalars."""
-    out: dict[str, Any] = {}
-    for item in items:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
-        key, raw = item.split("=", 1)
-        _set_dotted(out, key.strip(), yaml.safe_load(raw) if raw != "" else "")
-    return out
+def _scalar(raw: str, where: str) -> Any:
+    """A value as written in a variable or an override: a YAML scalar (or flow list/mapping); "" stays ""."""
+    if raw == "":
+        return ""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        why = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{where}: {raw!r} is not a YAML value ({why})") from e
 
 
 def _env_name(parts: list[str]) -> str:
     return "RP_" + "__".join(parts).upper()
 
 
-def _key_error(parts: list[str]) -> str | None:
-    """Why the dotted path ``parts`` names no config value (None: it names one)."""
+def _dotted_name(parts: list[str]) -> str:
+    return ".".join(parts)
+
+
+def _key_error(
+    parts: list[str], value: Any = None, name: Callable[[list[str]], str] = _env_name
+) -> str | None:
+    """Why the path ``parts`` names no config value (None: it names one); ``name`` spells a path as the
+    user wrote it (``RP_A__B`` or ``a.b``).  A section takes only a mapping."""
     model: type[BaseModel] = Config
     for i, part in enumerate(parts):
         fields = model.model_fields
         here = ".".join(parts[: i + 1])
         if part not in fields:
             near = difflib.get_close_matches(part, list(fields), n=1)
-            hint = f" (did you mean {_env_name([*parts[:i], near[0]])}?)" if near else ""
+            hint = f" (did you mean {name([*parts[:i], near[0]])}?)" if near else ""
             return f"{here or repr(part)} is not a config key{hint}"
         ann = fields[part].annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             model = ann
             continue
         if i < len(parts) - 1 and get_origin(ann) is not dict and ann is not dict:
-            return f"{here} is not a section, so {_env_name(parts)} names nothing"
+            return f"{here} is not a section, so {name(parts)} names nothing"
         return None  # a value, or a key inside a free-form mapping (policy_args, extra_args, …)
-    return f"{'.'.join(parts)} is a section: set one of its keys, {_env_name(parts)}__KEY"
-
-
-def _env_overrides(environ: dict[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
-    """The config overrides among ``RP_…`` variables, and which variable set each dotted key.
-
-    Config namespace: ``RP_<TOP-LEVEL KEY>`` and ``RP_<SECTION>__<KEY>…``.  Everything else that
-    starts with ``RP_`` belongs to a tool (:data:`TOOL_VARIABLES`) or to nobody (a warning).
-    """
-    out: dict[str, Any] = {}
-    source: dict[str, str] = {}
-    for k, v in sorted(environ.items()):
-        if not k.startswith("RP_") or k in TOOL_VARIABLES:
-            continue
-        parts = k[3:].lower().split("__")
-        if len(parts) == 1 and parts[0] not in Config.model_fields:
-            near = [
-                _env_name([s, rest])
-                for s in Config.model_fields
-                if (rest := parts[0].removeprefix(s + "_")) != parts[0] and not _key_error([s, rest])
-            ]
-            hint = f"; for the config key write {near[0]}" if near else ""
-            log.warning("environment variable %s is neither a config override nor a known tool's "
-                        "variable: ignored%s", k, hint)  # fmt: skip
-            continue
-        why = _key_error(parts)
-        if why is not None:
-            raise ConfigError(
-                f"environment variable {k}: {why}.  Config overrides are RP_<KEY> for a top-level key "
-                "and RP_<SECTION>__<KEY> below it; unset the variable if it is not meant for the config"
-            )
-        dotted = ".".join(parts)
-        _set_dotted(out, dotted, yaml.safe_load(v) if v != "" else "")
-        source[dotted] = k
-    return out, source
-
-
-def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _deep_merge(out[k], v)
-        else:
-            out[k] = v
-    return out
+    if isinstance(value, dict):
+        return None
+    return f"{'.'.join(parts)} is a section: set one of its keys, {name([*parts, 'KEY'])}"
 
 
 def _expand_preset(layer: dict[str, Any], where: str) -> dict[str, Any]:
     """``controller.mode`` -> ``controller.policy`` + ``trainer.schedule``, within one layer.
 
-    Expanding each layer (file, environment, overrides) before they are merged lets a later layer
-    override a preset of an earlier one (``--mode sync`` on a file that names a policy), while one
-    layer that asks for a preset and a different policy is an error.
+    Expanding each layer (file, environment, command line) before the library merges them lets a
+    later layer override a preset of an earlier one (``--mode sync`` on a file that names a policy),
+    while one layer that asks for a preset and a different policy is an error.
     """
     ctl = layer.get("controller")
     if not isinstance(ctl, dict) or ctl.get("mode") is None:
@@ -584,52 +559,183 @@ def _expand_preset(layer: dict[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
+class _Layer(PydanticBaseSettingsSource):
+    """What load_config adds to each of its sources: per-layer preset expansion, and the layer the
+    source gave, to say where a bad value came from."""
+
+    label: str
+    data: dict[str, Any]
+
+    def _expanded(self, data: dict[str, Any]) -> dict[str, Any]:
+        self.data = _expand_preset(data, self.label)
+        return self.data
+
+    def origins(self, parts: list[str]) -> list[str]:
+        """Who, within this layer, set the value at ``parts`` (or above it, or below it)."""
+        return [self.label]
+
+
+class _FileSource(_Layer, YamlConfigSettingsSource):
+    """The config file, through the library's YAML source; it must exist and hold a mapping."""
+
+    def __init__(self, settings_cls: type[BaseSettings], path: Path) -> None:
+        if not path.is_file():
+            raise ConfigError(f"config file {path} {'is not a file' if path.exists() else 'does not exist'}")
+        self.label = f"the config file {path}"
+        super().__init__(settings_cls, yaml_file=path)
+
+    def _read_file(self, file_path: Any) -> dict[str, Any]:
+        try:
+            loaded = super()._read_file(file_path)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {file_path}: not YAML ({e})") from e
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {file_path} must hold a mapping, not {type(loaded).__name__}")
+        return loaded
+
+    def __call__(self) -> dict[str, Any]:
+        return self._expanded(super().__call__())
+
+
+def _config_variables(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The ``RP_…`` variables that are config overrides, by name, with their values read as YAML.
+
+    Config namespace: ``RP_<TOP-LEVEL KEY>`` and ``RP_<SECTION>__<KEY>…``.  Everything else that
+    starts with ``RP_`` belongs to a tool (:data:`TOOL_VARIABLES`) or to nobody (a warning); a name of
+    the namespace that names no key is an error.
+    """
+    out: dict[str, Any] = {}
+    for k, raw in sorted(environ.items()):
+        if not k.upper().startswith("RP_") or k.upper() in TOOL_VARIABLES:
+            continue
+        parts = k[3:].lower().split("__")
+        if len(parts) == 1 and parts[0] not in Config.model_fields:
+            near = [
+                _env_name([s, rest])
+                for s in Config.model_fields
+                if (rest := parts[0].removeprefix(s + "_")) != parts[0] and not _key_error([s, rest])
+            ]
+            hint = f"; for the config key write {near[0]}" if near else ""
+            log.warning("environment variable %s is neither a config override nor a known tool's "
+                        "variable: ignored%s", k, hint)  # fmt: skip
+            continue
+        v = _scalar(raw, f"environment variable {k}")
+        why = _key_error(parts, v)
+        if why is not None:
+            raise ConfigError(
+                f"environment variable {k}: {why}.  Config overrides are RP_<KEY> for a top-level key "
+                "and RP_<SECTION>__<KEY> below it; unset the variable if it is not meant for the config"
+            )
+        out[k] = v
+    return out
+
+
+class _EnvSource(_Layer, EnvSettingsSource):
+    """``RP_…`` variables, through the library's env source (prefix ``RP_``, ``__`` between levels,
+    any case) over the given mapping, less the names that are not config; values are YAML scalars."""
+
+    label = "the environment"
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
+        self._config_vars = _config_variables(environ)
+        super().__init__(settings_cls)
+
+    def _load_env_vars(self) -> Mapping[str, Any]:
+        return {k.lower(): v for k, v in self._config_vars.items()}
+
+    def decode_complex_value(self, field_name: str, field: FieldInfo | None, value: Any) -> Any:
+        return value  # already parsed, as YAML, by _load_env_vars
+
+    def __call__(self) -> dict[str, Any]:
+        return self._expanded(super().__call__())
+
+    def origins(self, parts: list[str]) -> list[str]:
+        def related(var: list[str]) -> bool:  # one path is a prefix of the other
+            return var[: len(parts)] == parts[: len(var)]
+
+        return [k for k in self._config_vars if related(k[3:].lower().split("__"))]
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["a.b=3", "c=x"]`` -> nested dict; values are parsed as YAML scalars, keys checked."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"command-line override {item!r} is not of the form dotted.key=value")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        value = _scalar(raw, f"command-line override {item!r}")
+        why = _key_error(parts, value, name=_dotted_name)
+        cur = out
+        for i, part in enumerate(parts[:-1]):
+            nxt = cur.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                why = why or f"{'.'.join(parts[: i + 1])} is set to a value by an earlier override"
+                break
+            cur = nxt
+        if why is not None:
+            raise ConfigError(f"command-line override {item!r}: {why}")
+        cur[parts[-1]] = value
+    return out
+
+
+class _OverridesSource(_Layer, PydanticBaseSettingsSource):
+    """``dotted.key=value`` arguments (the command line), a source of our own."""
+
+    label = "the command line"
+
+    def __init__(self, settings_cls: type[BaseSettings], items: list[str]) -> None:
+        super().__init__(settings_cls)
+        self._values = parse_overrides(items)
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return self._values.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return self._expanded(self._values)
+
+
+def _touches(data: Any, parts: list[str]) -> str | None:
+    """``"sets"``: ``data`` holds the value at ``parts`` or one above it; ``"below"``: only keys under
+    it (the error is about a whole section); None: nothing there."""
+    for part in parts:
+        if not isinstance(data, dict):
+            return "sets"
+        if part not in data:
+            return None
+        data = data[part]
+    return "below" if isinstance(data, dict) and data else "sets"
+
+
+def _blame(loc: tuple[int | str, ...], layers: tuple[_Layer, ...]) -> str:
+    """``controller.steps (from RP_CONTROLLER__STEPS)``: the key, and which layers (highest first)
+    gave the value that failed; a layer that sets the value itself hides the ones below it."""
+    parts = [str(x) for x in loc]
+    who: list[str] = []
+    for layer in layers:
+        how = _touches(getattr(layer, "data", {}), parts)
+        if how is not None:
+            who += layer.origins(parts)
+            if how == "sets":
+                break
+    dotted = ".".join(parts) or "config"
+    return f"{dotted} (from {', '.join(who)})" if who else dotted
+
+
 def load_config(
     path: str | Path | None, overrides: list[str] | None = None, environ: dict[str, str] | None = None
 ) -> Config:
-    """YAML, then ``RP_…`` env, then dotted overrides; errors name the bad key."""
-    import os
-
-    data: dict[str, Any] = {}
-    if path:
-        p = Path(path)
-        if not p.exists():
-            raise ConfigError(f"config file {p} does not exist")
-        loaded = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {p} must hold a mapping, not {type(loaded).__name__}")
-        data = loaded
-    data = _expand_preset(data, "the config file")
-    env, env_source = _env_overrides(dict(os.environ if environ is None else environ))
-    data = _deep_merge(data, _expand_preset(env, "RP_…"))
-    cli = parse_overrides(overrides or [])
-    data = _deep_merge(data, _expand_preset(cli, "the overrides"))
+    """The config file, then ``RP_…`` variables (``environ``, else ``os.environ``), then ``dotted.key=value``
+    overrides, each a pydantic-settings source; errors name the key and where its value came from."""
+    lowest_first: list[_Layer] = [_FileSource(Config, Path(path))] if path else []
+    lowest_first.append(_EnvSource(Config, os.environ if environ is None else environ))
+    lowest_first.append(_OverridesSource(Config, overrides or []))
+    sources = tuple(reversed(lowest_first))
+    token = _LOAD_SOURCES.set(sources)
     try:
-        return Config(**data)
+        return Config()
     except ValidationError as e:
-
-        def where(loc: tuple[int | str, ...]) -> str:
-            dotted = ".".join(str(x) for x in loc)
-            set_by = next((env_source[p] for p in _prefixes(dotted) if p in env_source), None)
-            return f"{dotted} (from {set_by})" if set_by and not _has_path(cli, dotted) else dotted
-
-        msgs = "; ".join(f"{where(err['loc'])}: {err['msg']}" for err in e.errors())
+        msgs = "; ".join(f"{_blame(err['loc'], sources)}: {err['msg']}" for err in e.errors())
         raise ConfigError(f"invalid config: {msgs}") from e
-
-
-def _prefixes(dotted: str) -> list[str]:
-    """``a.b.c`` -> ``["a.b.c", "a.b", "a"]``: the keys an override of which may have set ``dotted``."""
-    parts = dotted.split(".")
-    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
-
-
-def _has_path(d: dict[str, Any], dotted: str) -> bool:
-    """Whether the nested dict ``d`` sets ``dotted`` or a key above it."""
-    cur: Any = d
-    for part in dotted.split("."):
-        if not isinstance(cur, dict) or part not in cur:
-            return False
-        cur = cur[part]
-        if not isinstance(cur, dict):
-            return True
-    return True
+    finally:
+        _LOAD_SOURCES.reset(token)
