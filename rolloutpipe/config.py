@@ -1,14 +1,27 @@
 """Configuration: YAML under ``configs/``, overridden by ``RP_…`` env vars, overridden by dotted CLI flags.
 
 Precedence (highest first): ``a.b=c`` CLI overrides, ``RP_A__B=c`` environment, the YAML file, defaults.
-Loaded before any event loop starts.
+Loaded (:func:`load_config`) before any event loop starts.  Each layer is a pydantic-settings source
+and the library merges them (a deep merge: a layer that sets one key of a section keeps the others
+from the layers below): the file through ``YamlConfigSettingsSource``, the environment through
+``EnvSettingsSource`` (prefix ``RP_``, ``__`` between levels, any case) over the given mapping, the
+overrides through a small source of our own; ``Config.settings_customise_sources`` orders them.
+``Config(...)`` outside ``load_config`` reads neither a file nor the environment.
+
+What the library does not do is done here, per layer: values (of variables and overrides alike) are
+YAML scalars, so ``RP_CONTROLLER__POLICY_ARGS__K=0.5`` is a float and an empty value stays ``""``;
+``controller.mode`` is expanded into ``controller.policy`` and ``trainer.schedule`` within its layer,
+so a later layer's preset overrides an earlier layer's policy, while a preset and a different policy
+in one layer is an error naming the layer; and every error names the key and where its value came
+from: ``(from the config file PATH)``, ``(from RP_CONTROLLER__STEPS)``, ``(from the command line)``.
 
 The environment's config namespace is ``RP_<KEY>`` for a top-level key (``RP_RUN``, ``RP_OUT``,
 ``RP_LOG_LEVEL``) and ``RP_<SECTION>__<KEY>[__<KEY>…]`` (a double underscore between levels) for
 everything else.  A variable of that namespace that names no config key is an error that names the
-variable.  The tools' own variables (:data:`TOOL_VARIABLES`: ``RP_REDIS_URL`` for ``tail`` and
-``status``, ``RP_WORKER_ID``, compose's ``RP_STEPS`` …) are outside it and never reach the config;
-any other ``RP_…`` name outside it is ignored with a warning.
+variable, with the likely spelling; so is an override ``a.b=c`` that names none.  The tools' own
+variables (:data:`TOOL_VARIABLES`: ``RP_REDIS_URL`` for ``tail`` and ``status``, ``RP_WORKER_ID``,
+compose's ``RP_STEPS`` …) are outside it and never reach the config; any other ``RP_…`` name outside
+it is ignored with a warning.
 """
 
 from __future__ import annotations
