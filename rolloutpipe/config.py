@@ -692,7 +692,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
-class _OverridesSource(_Layer, PydanticBaseSettingsSource):
+class _OverridesSource(_Layer):
     """``dotted.key=value`` arguments (the command line), a source of our own."""
 
     label = "the command line"
