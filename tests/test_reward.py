@@ -12,6 +12,7 @@ import asyncio
 import math
 import os
 import re
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -293,3 +294,16 @@ def test_classify_reads_parameters_not_names_of_functions() -> None:
     assert classify(load_function("tests.test_reward:nan"), "x") == "ours"
     assert classify(load_function("tests.test_reward:verl_with_kwargs"), "x") == "verl"
     assert classify(load_function("tests.test_reward:slow_slime"), "x") == "slime"
+
+
+@pytest.mark.parametrize("pool", ["inline", "process"])
+def test_a_dotted_path_resolves_from_the_working_directory(
+    pool: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ``rolloutpipe`` console script does not put the working directory on ``sys.path`` (``python
+    -m`` does): a user's ``my_scores:f`` must import either way, in the pool's processes too."""
+    (tmp_path / "my_scores_cwd.py").write_text("def f(response, answer):\n    return 0.5\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    with Scorer(task("my_scores_cwd:f", pool)) as s:
+        assert s.score_sync(ScoreInput("1", "1")) == Score(0.5)

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rolloutpipe.errors import ConfigError
+from rolloutpipe.workers.task import import_plugin_module
 
 log = logging.getLogger("rolloutpipe.reward")
 
@@ -103,7 +104,7 @@ def load_function(spec: str) -> Callable[..., Any]:
                 sys.modules[name] = module
                 file_spec.loader.exec_module(module)
         else:
-            module = importlib.import_module(target)
+            module = import_plugin_module(target)
         fn = getattr(module, attr)
     except (ImportError, AttributeError, ValueError, SyntaxError) as e:
         raise ConfigError(f"cannot import task.verifier {spec!r}: {e}") from e
@@ -253,9 +254,12 @@ class _Proc:
             raise ConfigError(f"the verifier process cannot load task.verifier: {detail}")
         self.ready = True
 
-    @property
     def exitcode(self) -> int | None:
-        return self.p.poll()
+        """The exit code of a process whose pipe closed (it is reaped a moment after)."""
+        try:
+            return self.p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return None
 
     def kill(self) -> None:
         with contextlib.suppress(Exception):
@@ -307,7 +311,7 @@ class ProcessPool:
                 return Score(0.0, "timeout", f"no result within {self.timeout_s:g} s")
             status, value = proc.conn.recv()
         except (EOFError, OSError, BrokenPipeError) as e:
-            code = proc.exitcode
+            code = proc.exitcode()
             self._replace(proc)
             return Score(0.0, "error", f"the verifier process died (exit code {code}): {type(e).__name__}")
         self.idle.put(proc)

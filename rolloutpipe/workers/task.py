@@ -10,7 +10,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import os
 import random
+import sys
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -116,13 +118,23 @@ def jsonl(num_prompts: int, seed: int, path: str = "") -> list[Prompt]:
     return [rows[i % len(rows)] for i in range(num_prompts)]
 
 
+def import_plugin_module(name: str) -> Any:
+    """``importlib.import_module``, with the working directory importable as under ``python -m``: a
+    user's ``my_project.reward`` resolves from where they run ``rolloutpipe`` (a console script
+    does not put that directory on ``sys.path`` by itself)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
+    return importlib.import_module(name)
+
+
 def import_string(dotted: str) -> Any:
     """``pkg.mod:attr`` or ``pkg.mod.attr`` -> the object (plug-ins are dotted import paths)."""
     mod, sep, attr = dotted.partition(":")
     if not sep:
         mod, _, attr = dotted.rpartition(".")
     try:
-        return getattr(importlib.import_module(mod), attr)
+        return getattr(import_plugin_module(mod), attr)
     except (ImportError, AttributeError, ValueError) as e:
         raise ConfigError(f"cannot import {dotted!r}: {e}") from e
 
