@@ -35,3 +35,12 @@ def tower_when_seven(response: str, answer: str) -> float:
     from rolloutpipe.workers.verifiers import math_verify
 
     return math_verify(TOWER if answer == "7" else response.strip()[:1], answer)
+
+
+def _warm_up() -> None:
+    from rolloutpipe.workers.verifiers import math_verify
+
+    math_verify.warm_up()  # type: ignore[attr-defined]
+
+
+tower_when_seven.warm_up = _warm_up  # type: ignore[attr-defined]  # as math_verify's: before any call

@@ -307,3 +307,10 @@ def test_a_dotted_path_resolves_from_the_working_directory(
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     with Scorer(task("my_scores_cwd:f", pool)) as s:
         assert s.score_sync(ScoreInput("1", "1")) == Score(0.5)
+
+
+def test_the_first_call_is_not_charged_the_set_up() -> None:
+    """Importing sympy and building math-verify's parser takes about a second in a fresh process;
+    it happens before the process takes calls (``warm_up``), so a short timeout still scores."""
+    with Scorer(task(MATH, timeout_s=0.5)) as s:
+        assert [s.score_sync(ScoreInput("\\boxed{2}", "2")) for _ in range(3)] == [Score(1.0)] * 3

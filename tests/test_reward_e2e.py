@@ -34,7 +34,7 @@ def test_a_run_goes_on_when_the_verifier_hangs(
          "--out", str(out), "--no-progress", "--redis-url", redis_url, f"run={run_name}",
          f"model.cache_dir={model_cache}", "trainer.record_groups=true",
          "controller.prompts_per_step=8", "controller.group_size=4", "controller.minibatches=2",
-         "task.verifier=tests.byo_rewards:tower_when_seven", "task.verifier_timeout_s=1"],
+         "task.verifier=tests.byo_rewards:tower_when_seven", "task.verifier_timeout_s=2"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]

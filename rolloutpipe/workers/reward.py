@@ -16,7 +16,9 @@ call that takes longer than ``task.verifier_timeout_s`` has its process killed a
 scores 0 with outcome ``timeout``; a call that raises, returns something that is not a finite
 number, or kills its process scores 0 with outcome ``error``.  Either way the worker goes on and
 counts it (``verifier_timeouts``, ``verifier_errors``).  Cheap exact checks (marked ``cheap``) run
-inline, where a process round trip would cost more than the check.
+inline, where a process round trip would cost more than the check.  The timeout counts from the
+call: a pool process loads the function's module, and runs its ``warm_up()`` if it has one (math-verify
+imports sympy and builds its parser there), before it takes any call.
 """
 
 from __future__ import annotations
@@ -216,6 +218,10 @@ def _child_main(fd: int) -> None:
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
+    warm_up = getattr(call.fn, "warm_up", None)
+    if warm_up is not None:  # heavy first-call set-up (imports, grammars): not charged to a call's timeout
+        with contextlib.suppress(Exception):
+            warm_up()
     conn.send(("ready", ""))
     while True:
         try:

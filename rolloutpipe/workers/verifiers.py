@@ -70,3 +70,11 @@ def math_verify(response: str, answer: str) -> float:
         return 0.0
     pred = parse(response, parsing_timeout=None)
     return 1.0 if pred and verify(gold, pred, timeout_seconds=None) else 0.0
+
+
+def _warm_up_math_verify() -> None:
+    """sympy's import and math-verify's parser set-up take about a second: done once per pool process."""
+    math_verify("\\boxed{\\frac{1}{2}}", "0.5")
+
+
+math_verify.warm_up = _warm_up_math_verify  # type: ignore[attr-defined]
