@@ -8,6 +8,10 @@ Emulated seconds are multiplied by ``time_scale`` and actually slept through.
 
 Between events (an arrival or a completion) the batch is constant, so the engine jumps straight
 to the next event instead of sleeping once per token.
+
+``time_scale: 0`` is an instant engine: each request returns its response at once, with the same
+lengths, tokens and rewards, so a benchmark measures only the streaming path around the engine
+(``rolloutpipe bench --suite broker``).
 """
 
 from __future__ import annotations
@@ -79,6 +83,8 @@ class EmulatedEngine:
         fut: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
         length = self.response_length(req)
         correct = bool(_rng(self.seed, req.request_id, "reward").random() < self.pass_rate(req))
+        if self.cfg.time_scale == 0:  # an instant engine: no batching model, nothing to wait for
+            return self._generation(req, length, correct)
         seq = _Seq(
             req, length, correct, fut, prefill_left=self.cfg.prefill_per_token_s * self.cfg.prompt_tokens
         )
@@ -122,14 +128,16 @@ class EmulatedEngine:
             self.running = still
 
     def _finish(self, s: _Seq) -> None:
-        if s.fut.done():
-            return
-        r = _rng(self.seed, s.req.request_id, "tokens")
-        ids = r.integers(3, 18, size=s.length, dtype=np.int32)
-        logprobs = np.log(r.uniform(0.2, 1.0, size=s.length)).astype(np.float32)
-        text = s.req.answer if s.correct else "x"
-        reason = "length" if s.length >= self.cfg.max_response_tokens else "stop"
-        s.fut.set_result(Generation(np.zeros(self.cfg.prompt_tokens, np.int32), ids, logprobs, text, reason))
+        if not s.fut.done():
+            s.fut.set_result(self._generation(s.req, s.length, s.correct))
+
+    def _generation(self, req: RolloutRequest, length: int, correct: bool) -> Generation:
+        r = _rng(self.seed, req.request_id, "tokens")
+        ids = r.integers(3, 18, size=length, dtype=np.int32)
+        logprobs = np.log(r.uniform(0.2, 1.0, size=length)).astype(np.float32)
+        text = req.answer if correct else "x"
+        reason = "length" if length >= self.cfg.max_response_tokens else "stop"
+        return Generation(np.zeros(self.cfg.prompt_tokens, np.int32), ids, logprobs, text, reason)
 
     async def load_weights(self, pv: PolicyVersion) -> None:
         if pv.sha256:  # the emulated trainer publishes no files; real files are still verified
