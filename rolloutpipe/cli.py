@@ -39,9 +39,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="runs/bench")
     bench.add_argument("--steps", type=int)
     bench.add_argument("--redis-url", default="")
-    bench.add_argument("--suite", default="", help="a suite under configs/bench/ (paper, allocation)")
+    bench.add_argument("--suite", default="", help="a suite under configs/bench/ (paper, allocation, broker)")
     bench.add_argument(
-        "--quick", action="store_true", help="allocation: one seed, a few steps (checks the path)"
+        "--quick",
+        action="store_true",
+        help="allocation: one seed, a few steps; broker: two small rows (checks the path)",
     )
     bench.add_argument("--scale", type=float, help="wall seconds per emulated second (overrides the config)")
     bench.add_argument("--no-progress", action="store_true")
@@ -180,8 +182,21 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from rolloutpipe.allocation_bench import is_allocation_suite, run_allocation
     from rolloutpipe.bench import run_bench
+    from rolloutpipe.broker_bench import is_broker_suite, run_broker
 
     setup_logging("WARNING", "bench")
+    if args.suite and is_broker_suite(args.suite):
+        if args.overrides or args.steps is not None or args.scale is not None or args.config:
+            raise ConfigError(
+                "--suite broker takes its settings from configs/bench/broker.yaml "
+                "(or a copy given as --suite FILE), not overrides, --steps or --scale"
+            )
+        table, where = run_broker(
+            args.suite, Path(args.out), url=args.redis_url, progress=not args.no_progress, quick=args.quick
+        )
+        print(table)
+        print(f"\n{where}", file=sys.stderr)
+        return 0
     if args.suite and is_allocation_suite(args.suite):
         extra = [*args.overrides, *([f"controller.steps={args.steps}"] if args.steps is not None else [])]
         table, where = run_allocation(
@@ -196,7 +211,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"\n{where}", file=sys.stderr)
         return 0
     if args.quick:
-        raise ConfigError("--quick is for allocation suites (--suite allocation)")
+        raise ConfigError("--quick is for the allocation and broker suites (--suite allocation|broker)")
     table, where = run_bench(
         args.config or None,
         Path(args.out),
