@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -188,7 +189,7 @@ def bytes_breakdown(tokens: int, prompt_tokens: int, group_size: int) -> dict[st
 def ceiling_redis_py(url: str, payload: bytes, seconds: float, pipeline: int) -> float:
     """Samples/s of one redis-py client pipelining ``XADD … MAXLEN ~ 1000 * d payload``."""
     r = redis.Redis.from_url(url)
-    key = "rp:{broker-ceiling}:samples"
+    key = f"rp:{{broker-ceiling-{uuid.uuid4().hex[:8]}}}:samples"  # a scratch stream of its own
     try:
         r.delete(key)
         n, t0 = 0, time.perf_counter()
@@ -209,7 +210,7 @@ def ceiling_redis_benchmark(port: int, size: int, seconds: float, pipeline: int)
     exe = shutil.which("redis-benchmark")
     if exe is None:
         return None
-    key = "rp:{broker-rb}:samples"
+    key = f"rp:{{broker-rb-{uuid.uuid4().hex[:8]}}}:samples"
     # a first short run sizes the real one to about ``seconds``
     rate = 0.0
     for n in (max(pipeline, 200), 0):

@@ -78,13 +78,13 @@ class EmulatedEngine:
         self._task = asyncio.create_task(self._loop())
 
     async def generate(self, req: RolloutRequest) -> Generation:
-        if self._task is None:
-            await self.start()
-        fut: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
         length = self.response_length(req)
         correct = bool(_rng(self.seed, req.request_id, "reward").random() < self.pass_rate(req))
         if self.cfg.time_scale == 0:  # an instant engine: no batching model, nothing to wait for
             return self._generation(req, length, correct)
+        if self._task is None:
+            await self.start()
+        fut: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
         seq = _Seq(
             req, length, correct, fut, prefill_left=self.cfg.prefill_per_token_s * self.cfg.prompt_tokens
         )
