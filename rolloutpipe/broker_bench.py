@@ -349,12 +349,14 @@ def run_row(
     cfg = load_config(Path(spec["base"]), row_overrides(spec, row, out), environ={})
     run_out = Path(cfg.out)
     load0 = os.getloadavg()[0]
+    calls0 = _command_calls(url)
     sampler = Sampler(url, redis_pid)
     sampler.start()
     try:
         ms = sorted(run_cluster(cfg, url, run_out, progress=False, timeout_s=900), key=lambda m: m.step)
     finally:
         sampler.stop()
+        calls1 = _command_calls(url)
         _drop_run(url, cfg.run)
     measured = ms[1:]
     a, b = ms[0].train_end, ms[-1].train_end
@@ -384,10 +386,25 @@ def run_row(
         "loadavg_1m": [load0, os.getloadavg()[0]],  # before and after: other work on the machine
     }
     res.update(sampler.window(a, b))
+    # Redis commands a sample costs, over the whole run (a shared server counts others' too)
+    released = max(1, res["samples_released"])
+    per = {c: (calls1.get(c, 0) - calls0.get(c, 0)) / released for c in calls1}
+    res["redis_calls_per_sample"] = {c: round(v, 3) for c, v in sorted(per.items()) if v >= 0.01}
+    res["redis_calls_per_sample_total"] = sum(per.values())
     if samples and "redis_net_in_bytes" in res:
         res["redis_net_in_bytes_per_sample"] = res["redis_net_in_bytes"] / samples
         res["redis_net_out_bytes_per_sample"] = res["redis_net_out_bytes"] / samples
     return res
+
+
+def _command_calls(url: str) -> dict[str, int]:
+    """``INFO commandstats``: calls so far, per command."""
+    r = redis.Redis.from_url(url)
+    try:
+        stats: Any = r.info("commandstats")
+        return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
+    finally:
+        r.close()
 
 
 def _drop_run(url: str, run: str) -> None:
@@ -406,7 +423,8 @@ def _drop_run(url: str, run: str) -> None:
 STATS = ("samples_per_s", "dispatch_p50_s", "dispatch_p99_s", "redis_cpu", "aggregator_cpu",
          "trainer_cpu", "rollout_cpu", "controller_cpu", "redis_runq_wait", "aggregator_runq_wait",
          "trainer_runq_wait", "rollout_runq_wait", "redis_used_memory_max_bytes",
-         "redis_net_in_bytes_per_sample", "redis_net_out_bytes_per_sample")  # fmt: skip
+         "redis_net_in_bytes_per_sample", "redis_net_out_bytes_per_sample",
+         "redis_calls_per_sample_total")  # fmt: skip
 
 
 def summarise(
