@@ -44,6 +44,7 @@ from rolloutpipe.bench import CONFIGS
 from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.embedded import EmbeddedRedis
 from rolloutpipe.broker.events import AllocationRecord, FrontierStatus, Group, Sample
+from rolloutpipe.broker.streams import Groups, Keys
 from rolloutpipe.config import load_config
 from rolloutpipe.errors import ConfigError
 from rolloutpipe.runner import run_cluster
@@ -274,10 +275,13 @@ def _cpu_s(pid: int) -> tuple[float, float] | None:
 class Sampler(threading.Thread):
     """Reads Redis ``INFO`` and every role's CPU clock every ``SAMPLE_S`` while a row runs."""
 
-    def __init__(self, url: str, redis_pid: int | None = None) -> None:
+    def __init__(self, url: str, redis_pid: int | None = None, run: str = "") -> None:
         super().__init__(daemon=True)
         self.r = redis.Redis.from_url(url)
         self.redis_pid = redis_pid
+        # the queues in front of the aggregator and the trainer: entries not yet delivered to them
+        k = Keys(run)
+        self.queues = {"aggregator": (k.samples, Groups.AGGREGATOR), "trainer": (k.groups, Groups.TRAINER)}
         self.snaps: list[dict[str, Any]] = []
         self._halt = threading.Event()
         self.has_proc = Path("/proc/self/stat").exists()
@@ -294,7 +298,9 @@ class Sampler(threading.Thread):
                     c = _cpu_s(pid)
                     if c is not None:
                         roles[f"{role}:{pid}"] = c
+                backlog = {role: self._lag(*q) for role, q in self.queues.items()}
                 self.snaps.append({
+                    "backlog": backlog,
                     "t": time.time(),
                     "redis_cpu_s": float(info["used_cpu_sys"]) + float(info["used_cpu_user"]),
                     "used_memory": int(info["used_memory"]),
@@ -303,6 +309,18 @@ class Sampler(threading.Thread):
                     "roles": roles,
                 })  # fmt: skip
             self._halt.wait(SAMPLE_S)
+
+    def _lag(self, stream: str, group: str) -> int:
+        """Entries of ``stream`` not yet delivered to ``group`` (XINFO GROUPS ``lag``; 0 before it exists)."""
+        try:
+            groups: Any = self.r.xinfo_groups(stream)
+        except redis.ResponseError:  # no stream yet
+            return 0
+        for g in groups:
+            name = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
+            if name == group:
+                return int(g.get("lag") or 0)
+        return 0
 
     def stop(self) -> None:
         self._halt.set()
@@ -327,6 +345,9 @@ class Sampler(threading.Thread):
             "redis_net_in_bytes": float(s1["net_in"] - s0["net_in"]),
             "redis_net_out_bytes": float(s1["net_out"] - s0["net_out"]),
         }
+        for role in self.queues:  # how many entries waited in front of each consumer, on average
+            out[f"{role}_backlog_mean"] = statistics.fmean(s["backlog"][role] for s in inside)
+            out[f"{role}_backlog_max"] = float(max(s["backlog"][role] for s in inside))
         r0, r1 = s0["roles"], s1["roles"]
         for role in (*ROLES, "redis"):  # summed over a role's processes (the rollout workers)
             keys = [k for k in r0 if k.startswith(role + ":") and k in r1]
@@ -350,7 +371,7 @@ def run_row(
     run_out = Path(cfg.out)
     load0 = os.getloadavg()[0]
     calls0 = _command_calls(url)
-    sampler = Sampler(url, redis_pid)
+    sampler = Sampler(url, redis_pid, cfg.run)
     sampler.start()
     try:
         ms = sorted(run_cluster(cfg, url, run_out, progress=False, timeout_s=900), key=lambda m: m.step)
@@ -424,7 +445,7 @@ STATS = ("samples_per_s", "dispatch_p50_s", "dispatch_p99_s", "redis_cpu", "aggr
          "trainer_cpu", "rollout_cpu", "controller_cpu", "redis_runq_wait", "aggregator_runq_wait",
          "trainer_runq_wait", "rollout_runq_wait", "redis_used_memory_max_bytes",
          "redis_net_in_bytes_per_sample", "redis_net_out_bytes_per_sample",
-         "redis_calls_per_sample_total")  # fmt: skip
+         "redis_calls_per_sample_total", "aggregator_backlog_mean", "trainer_backlog_mean")  # fmt: skip
 
 
 def summarise(
@@ -478,8 +499,8 @@ def table(doc: dict[str, Any]) -> str:
         "",
         "| workers | payload KiB | offered /s | samples/s median [min-max] | of ceiling | "
         "dispatch p50 / p99 ms | Redis CPU | aggregator CPU | trainer CPU | workers CPU | "
-        "Redis mem MiB | run-queue wait s/s | saturated first |",
-        "|" + "---|" * 13,
+        "Redis mem MiB | run-queue wait s/s | queued for aggregator / trainer | saturated first |",
+        "|" + "---|" * 14,
     ]
 
     def rng(r: dict[str, Any], k: str, f: str = ",.0f", scale: float = 1.0) -> str:
@@ -495,6 +516,7 @@ def table(doc: dict[str, Any]) -> str:
             f"{r.get('aggregator_cpu', 0):.2f} | {r.get('trainer_cpu', 0):.2f} | "
             f"{r.get('rollout_cpu', 0):.2f} | {r.get('redis_used_memory_max_bytes', 0) / 2**20:.0f} | "
             f"{sum(r.get(f'{k}_runq_wait', 0.0) for k in WAITERS):.2f} | "
+            f"{r.get('aggregator_backlog_mean', 0):.0f} / {r.get('trainer_backlog_mean', 0):.1f} | "
             f"{saturation(r)} |"
         )
     return "\n".join(lines)
