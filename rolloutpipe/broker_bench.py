@@ -395,6 +395,7 @@ def run_row(
         "response_tokens": row.tokens,
         "offered_samples_per_s": row.offered,
         "repeat": row.repeat,
+        "group_size": cfg.controller.group_size,
         "steps_measured": len(measured),
         "samples_released": sum(m.samples + m.samples_wasted for m in ms),
         "samples_trained": sum(m.samples for m in ms),
@@ -458,7 +459,8 @@ def summarise(
     rows = []
     for (w, t, o), rs in keyed.items():
         row: dict[str, Any] = {"workers": w, "response_tokens": t, "payload_bytes": payload[t],
-                               "offered_samples_per_s": o, "repeats": len(rs)}  # fmt: skip
+                               "offered_samples_per_s": o, "repeats": len(rs),
+                               "group_size": rs[0]["group_size"]}  # fmt: skip
         for k in STATS:
             xs = [r[k] for r in rs if k in r]
             if xs:
@@ -471,17 +473,21 @@ def summarise(
 
 
 def saturation(row: dict[str, Any]) -> str:
-    """Which process saturated first: Redis and each Python role run on one thread, so one at 0.85
-    core or more is saturated; if none is, but the roles spent long runnable and waiting for a CPU,
-    the machine's cores are the limit; otherwise the path is bound by round trips, not CPU."""
+    """Which stage saturated first.  Redis and each Python role run on one thread, so one at 0.85
+    core or more is saturated.  Below that a stage can still be the bottleneck, bound by its
+    round trips or by waiting for a CPU: then entries queue in front of it (a group's worth or more
+    on average), and the stage with the longer queue is the one that fell behind."""
     single = {k: row.get(f"{k}_cpu", 0.0) for k in ("redis", "aggregator", "trainer", "controller")}
     busiest = max(single, key=lambda k: single[k])
     if single[busiest] >= 0.85:
-        return f"{busiest} ({single[busiest]:.2f} core)"
-    wait = sum(row.get(f"{k}_runq_wait", 0.0) for k in WAITERS)
-    if wait >= 0.5:
-        return f"CPUs (runnable, waiting {wait:.2f} s/s; busiest {busiest} {single[busiest]:.2f})"
-    return f"none ({busiest} busiest, {single[busiest]:.2f} core)"
+        return f"{busiest} (CPU: {single[busiest]:.2f} core)"
+    agg, tr = row.get("aggregator_backlog_mean", 0.0), row.get("trainer_backlog_mean", 0.0)
+    group = row.get("group_size", 8)
+    if agg >= group and agg >= tr * group:
+        return f"aggregator ({agg:.0f} samples queued, {single['aggregator']:.2f} core)"
+    if tr >= 1:
+        return f"trainer ({tr:.1f} groups queued, {single['trainer']:.2f} core)"
+    return f"none (keeps up; busiest {busiest} {single[busiest]:.2f} core)"
 
 
 def table(doc: dict[str, Any]) -> str:
