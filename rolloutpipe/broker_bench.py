@@ -551,14 +551,20 @@ def plot(doc: dict[str, Any], path: Path) -> Path | None:
         ax[0][1].errorbar(xs, [r["dispatch_p99_s"] * 1e3 for r in rs], marker="o", capsize=3, label=label,
                           yerr=_err(rs, "dispatch_p99_s", 1e3))  # fmt: skip
     for c in doc["ceilings"]:
-        ax[0][0].axhline(c["redis_py_samples_per_s"], ls=":", color="grey")
-        ax[0][0].annotate(f"ceiling {c['payload_bytes'] / 1024:.0f} KiB", (1, c["redis_py_samples_per_s"]),
-                          fontsize="x-small", color="grey", va="bottom")  # fmt: skip
+        for frac, ls in ((1.0, ":"), (0.5, "--")):
+            y = frac * c["redis_py_samples_per_s"]
+            ax[0][0].axhline(y, ls=ls, color="grey", lw=0.8)
+            ax[0][0].annotate(f"{frac:.0%} of the {c['payload_bytes'] / 1024:.0f} KiB ceiling", (1, y),
+                              fontsize="x-small", color="grey", va="bottom")  # fmt: skip
+    workers = sorted({r["workers"] for r in rows})
+    for a in ax[0]:
+        a.set_xticks(workers, [str(w) for w in workers])
+        a.minorticks_off()
     ax[0][0].set(title="end-to-end samples/s vs workers", xlabel="rollout workers", ylabel="samples/s",
                  xscale="log", yscale="log")  # fmt: skip
     ax[0][1].set(title="dispatch latency p99 vs workers", xlabel="rollout workers", ylabel="ms",
                  xscale="log", yscale="log")  # fmt: skip
-    ax[0][1].axhline(10, ls=":", color="red")
+    ax[0][1].axhline(10, ls=":", color="red", label="target p99 10 ms")
     ax[0][0].legend(fontsize="x-small")
     paced = [r for r in rows if r["offered_samples_per_s"] is not None]
     by_wp: dict[tuple[int, int], list[dict[str, Any]]] = {}
@@ -580,7 +586,7 @@ def plot(doc: dict[str, Any], path: Path) -> Path | None:
                  xscale="log", yscale="log")  # fmt: skip
     ax[1][1].set(title="dispatch p99 vs offered load", xlabel="offered samples/s", ylabel="ms",
                  xscale="log", yscale="log")  # fmt: skip
-    ax[1][1].axhline(10, ls=":", color="red")
+    ax[1][1].axhline(10, ls=":", color="red", label="target p99 10 ms")
     if paced:
         ax[1][0].legend(fontsize="x-small")
     fig.suptitle(f"broker path, {doc['machine']['cpus']} cores; median of {doc['repeats']} (bars: min-max)",

@@ -83,7 +83,9 @@ def test_bad_suite_settings_are_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="missing settings"):
         load_spec(str(bad))
     good = Path("configs/bench/broker.yaml").read_text()
-    bad.write_text(good.replace("offered_samples_per_s: [1000, 5000, null]", "offered_samples_per_s: [-5]"))
+    bad.write_text(
+        good.replace("offered_samples_per_s: [250, 1000, 5000, null]", "offered_samples_per_s: [-5]")
+    )
     with pytest.raises(ConfigError, match="offered_samples_per_s"):
         load_spec(str(bad))
 
