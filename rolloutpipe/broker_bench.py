@@ -517,7 +517,7 @@ def table(doc: dict[str, Any]) -> str:
         off = "max" if r["offered_samples_per_s"] is None else f"{r['offered_samples_per_s']:,.0f}"
         lines.append(
             f"| {r['workers']} | {r['payload_bytes'] / 1024:.1f} | {off} | {rng(r, 'samples_per_s')} | "
-            f"{r['ratio_to_ceiling']:.0%} | {r['dispatch_p50_s'] * 1e3:.1f} / "
+            f"{r['ratio_to_ceiling']:.1%} | {r['dispatch_p50_s'] * 1e3:.1f} / "
             f"{rng(r, 'dispatch_p99_s', '.1f', 1e3)} | {r.get('redis_cpu', 0):.2f} | "
             f"{r.get('aggregator_cpu', 0):.2f} | {r.get('trainer_cpu', 0):.2f} | "
             f"{r.get('rollout_cpu', 0):.2f} | {r.get('redis_used_memory_max_bytes', 0) / 2**20:.0f} | "
