@@ -206,18 +206,22 @@ def ceiling_redis_py(url: str, payload: bytes, seconds: float, pipeline: int) ->
         r.close()
 
 
-def ceiling_redis_benchmark(port: int, size: int, seconds: float, pipeline: int) -> float | None:
+def ceiling_redis_benchmark(url: str, size: int, seconds: float, pipeline: int) -> float | None:
     """``redis-benchmark`` (one client, ``-P pipeline``) XADDing a ``size``-byte field; None if absent."""
     exe = shutil.which("redis-benchmark")
     if exe is None:
         return None
+    kw = redis.Redis.from_url(url).connection_pool.connection_kwargs
+    host, port = str(kw.get("host", "127.0.0.1")), int(kw.get("port", 6379))
+    auth = ["--user", str(kw["username"])] if kw.get("username") else []
+    auth += ["-a", str(kw["password"]), "--no-auth-warning"] if kw.get("password") else []
     key = f"rp:{{broker-rb-{uuid.uuid4().hex[:8]}}}:samples"
     # a first short run sizes the real one to about ``seconds``
     rate = 0.0
     for n in (max(pipeline, 200), 0):
         if n == 0:
             n = max(pipeline, int(rate * seconds))
-        cmd = [exe, "-h", "127.0.0.1", "-p", str(port), "-c", "1", "-P", str(pipeline), "-n", str(n),
+        cmd = [exe, "-h", host, "-p", str(port), *auth, "-c", "1", "-P", str(pipeline), "-n", str(n),
                "--csv", "XADD", key, "MAXLEN", "~", "1000", "*", "d", "x" * size]  # fmt: skip
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
         if res.returncode != 0:
@@ -227,7 +231,7 @@ def ceiling_redis_benchmark(port: int, size: int, seconds: float, pipeline: int)
         except (IndexError, ValueError):
             return None
     with contextlib.suppress(redis.RedisError):
-        redis.Redis(port=port).delete(key)
+        redis.Redis.from_url(url).delete(key)
     return rate
 
 
@@ -623,7 +627,6 @@ def run_broker(
     t0 = time.monotonic()
     er = None if url else EmbeddedRedis().start()
     url = url or (er.url if er else "")
-    port = redis.Redis.from_url(url).connection_pool.connection_kwargs.get("port", 6379)
     runs: list[dict[str, Any]] = []
     ceilings: list[dict[str, Any]] = []
     try:
@@ -637,7 +640,7 @@ def run_broker(
                 url, payload, spec["ceiling_s"], spec["ceiling_pipeline"]
             )
             c["redis_benchmark_samples_per_s"] = ceiling_redis_benchmark(
-                int(port), len(payload), spec["ceiling_s"], spec["ceiling_pipeline"]
+                url, len(payload), spec["ceiling_s"], spec["ceiling_pipeline"]
             )
             ceilings.append(c)
             if bar is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,8 @@ def test_broker_bench_quick(tmp_path: Path, redis_server: EmbeddedRedis) -> None
     assert "results.json" in where
     [ceiling] = doc["ceilings"]
     assert ceiling["redis_py_samples_per_s"] > 0
+    if shutil.which("redis-benchmark"):  # the C client's figure, on the same server and payload size
+        assert ceiling["redis_benchmark_samples_per_s"] > 0
     assert doc["ceiling_samples_per_s"] == {str(ceiling["payload_bytes"]): ceiling["redis_py_samples_per_s"]}
     # a sample carries 4 bytes a response token twice (ids, logprobs) and 4 a prompt token
     assert ceiling["payload_bytes"] > 8 * 1024 + 4 * spec["prompt_tokens"]
