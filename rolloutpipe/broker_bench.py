@@ -560,10 +560,6 @@ def plot(doc: dict[str, Any], path: Path) -> Path | None:
             ax[0][0].axhline(y, ls=ls, color="grey", lw=0.8)
             ax[0][0].annotate(f"{frac:.0%} of the {c['payload_bytes'] / 1024:.0f} KiB ceiling", (1, y),
                               fontsize="x-small", color="grey", va="bottom")  # fmt: skip
-    workers = sorted({r["workers"] for r in rows})
-    for a in ax[0]:
-        a.set_xticks(workers, [str(w) for w in workers])
-        a.minorticks_off()
     ax[0][0].set(title="end-to-end samples/s vs workers", xlabel="rollout workers", ylabel="samples/s",
                  xscale="log", yscale="log")  # fmt: skip
     ax[0][1].set(title="dispatch latency p99 vs workers", xlabel="rollout workers", ylabel="ms",
@@ -593,6 +589,13 @@ def plot(doc: dict[str, Any], path: Path) -> Path | None:
     ax[1][1].axhline(10, ls=":", color="red", label="target p99 10 ms")
     if paced:
         ax[1][0].legend(fontsize="x-small")
+    # plain tick labels at the measured points (after the log scales, which reset the ticks)
+    workers = sorted({r["workers"] for r in rows})
+    loads = sorted({r["offered_samples_per_s"] for r in paced})
+    for a, xs in ((ax[0][0], workers), (ax[0][1], workers), (ax[1][0], loads), (ax[1][1], loads)):
+        if xs:
+            a.minorticks_off()
+            a.set_xticks(xs, [f"{x:,.0f}" for x in xs])
     fig.suptitle(f"broker path, {doc['machine']['cpus']} cores; median of {doc['repeats']} (bars: min-max)",
                  fontsize="small")  # fmt: skip
     fig.tight_layout()
