@@ -396,5 +396,4 @@ class Scorer:
 
 def check_verifier(task: Any) -> None:
     """Fail early (before any role starts) on a ``task.verifier`` that cannot be loaded or classified."""
-    call = _Call(task.verifier, task.reward_args)
-    log.debug("task.verifier %s is a %s reward function (pid %d)", task.verifier, call.kind, os.getpid())
+    _Call(task.verifier, task.reward_args)
