@@ -31,7 +31,6 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
-import logging
 import math
 import os
 import queue
@@ -48,8 +47,6 @@ from typing import Any, Literal
 
 from rolloutpipe.errors import ConfigError
 from rolloutpipe.workers.task import import_plugin_module
-
-log = logging.getLogger("rolloutpipe.reward")
 
 Kind = Literal["ours", "verl", "slime"]
 Outcome = Literal["ok", "timeout", "error"]
