@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry as SyncRetry
 
@@ -142,9 +142,8 @@ class Once:
 
     async def execute(self) -> str:
         """'0' if a guard found the write applied by another call; else '1' or the 'r' command's reply."""
-        if self.b._once is None:
-            self.b._once = self.b.r.register_script(ONCE_LUA)
-        out = await self.b._once(keys=[self.record, *self.keys], args=[self.token, self.ttl, *self.args])
+        script = self.b.once_script()
+        out = await script(keys=[self.record, *self.keys], args=[self.token, self.ttl, *self.args])
         return _s(out)
 
 
@@ -302,6 +301,7 @@ class Broker:
         self.maxlen = maxlen
         self.codec = codec or DEFAULT_CODEC
         self._once: Any = None  # the ONCE_LUA script, registered on first use
+        self._once_loaded = 0  # id of the client that SCRIPT LOADed it (``execute_all``)
 
     async def ensure_group(self, stream: str, group: str, start: str = "0") -> None:
         try:
@@ -316,6 +316,37 @@ class Broker:
     def once(self, step: int | None) -> Once:
         """A write applied at most once, however often a lost reply makes redis-py send it."""
         return Once(self, step)
+
+    def once_script(self) -> Any:
+        if self._once is None:
+            self._once = self.r.register_script(ONCE_LUA)
+        return self._once
+
+    async def execute_all(self, ops: Sequence[Once]) -> list[str]:
+        """Several writes in one round trip, each applied at most once and in order.
+
+        A pipeline without MULTI: each write is still atomic on its own (one script run), and a
+        resend of the pipeline after a lost reply changes nothing (each keeps its token).
+        """
+        if not ops:
+            return []
+        if len(ops) == 1:
+            return [await ops[0].execute()]
+        script = self.once_script()
+        if self._once_loaded != id(self.r):
+            await self.r.script_load(ONCE_LUA)  # then EVALSHA, without a SCRIPT EXISTS per pipeline
+            self._once_loaded = id(self.r)
+        for attempt in range(2):
+            pipe = self.r.pipeline(transaction=False)
+            for op in ops:
+                pipe.evalsha(script.sha, len(op.keys) + 1, op.record, *op.keys, op.token, op.ttl, *op.args)
+            try:
+                return [_s(x) for x in await pipe.execute()]
+            except NoScriptError:  # a restarted Redis forgot the script: load it, send them again
+                if attempt:
+                    raise
+                await self.r.script_load(ONCE_LUA)
+        raise AssertionError("unreachable")
 
     async def publish(self, stream: str, event: Event) -> str:
         """``event`` onto ``stream`` once (its entry id)."""
@@ -609,11 +640,23 @@ class Broker:
         it before (a duplicate); its entries are acknowledged anyway.  True when this call emitted
         it, also when that first attempt's reply was lost and redis-py sent it again.
         """
+        return await self.emit_op(group, stats, entry_ids).execute() == "1"
+
+    def emit_op(self, group: Group, stats: GroupStats, entry_ids: Sequence[str]) -> Once:
+        """The write of :meth:`emit_group`, to run alone or with others (:meth:`execute_all`)."""
         k = self.keys
         op = self.once(group.step).xack(k.samples, Groups.AGGREGATOR, list(entry_ids))
         op.cmd("SADD", k.emitted(group.step), group.group_id, mode="g")
-        op.xadd(k.groups, self.encode(group)).xadd(k.feedback, self.encode(stats))
-        return await op.execute() == "1"
+        return op.xadd(k.groups, self.encode(group)).xadd(k.feedback, self.encode(stats))
+
+    async def emitted_among(self, pairs: Sequence[tuple[int, str]]) -> list[bool]:
+        """For each (step, group id): is it in ``emitted:step``?  One round trip."""
+        if not pairs:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for step, gid in pairs:
+            pipe.sismember(self.keys.emitted(step), gid)
+        return [bool(x) for x in await pipe.execute()]
 
     async def consumed(self, step: int) -> set[str]:
         return {_s(m) for m in await self.r.smembers(self.keys.consumed(step))}

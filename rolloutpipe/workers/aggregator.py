@@ -40,7 +40,7 @@ from rolloutpipe.broker.events import (
     Sample,
     StepPlan,
 )
-from rolloutpipe.broker.streams import Broker, Entry, Groups, connect
+from rolloutpipe.broker.streams import Broker, Entry, Groups, Once, connect
 from rolloutpipe.config import Config
 from rolloutpipe.runtime import close_client
 from rolloutpipe.trainer.grpo import group_advantages
@@ -79,6 +79,12 @@ class Aggregator:
         self.targets: dict[int, dict[str, Target]] = {}
         self.reported: dict[str, int] = {}  # group id -> count whose stats went to the controller
         self.groups_emitted = 0
+        # Round trips are what bound the aggregator (issue 13: ~3 a sample before), so a read's
+        # entries are handled as one batch: one GET of the version, one pipeline of SISMEMBER for
+        # the groups this process has not seen, one pipeline of the emissions (``flush``).
+        self.version = -1  # the published version, read once a batch
+        self.emitted_here: dict[int, set[str]] = {}  # step -> group ids known to be in emitted:k
+        self.queued: list[tuple[Once, int, str]] = []  # emissions to send: (write, step, group id)
 
     async def plan(self, step: int) -> StepPlan | None:
         """The step's plan and its groups' allocations: the plan's counts, then the controller's decisions."""
@@ -98,6 +104,7 @@ class Aggregator:
                 self.plans.pop(old, None)
                 self.emitted_count.pop(old, None)
                 self.targets.pop(old, None)
+                self.emitted_here.pop(old, None)
         return self.plans[step]
 
     def apply(self, a: Allocation) -> Target:
@@ -110,9 +117,40 @@ class Aggregator:
         return t
 
     async def on_entry(self, entry: Entry) -> None:
-        ev = await self.b.decode_or_dlq(entry, GROUP, (Sample, Allocation))
-        if ev is None:
+        await self.on_batch([entry])
+
+    async def on_batch(self, entries: list[Entry]) -> None:
+        """One read's entries, in order, with a fixed number of round trips in the common case.
+
+        The checks are those of one entry at a time, against state read once for the batch: the
+        version (a step trained meanwhile is still caught by the trainer's fence), and whether a
+        group new to this process is in ``emitted:k`` (the emit script refuses a second emission in
+        any case).  The batch's emissions go out together at the end, in order.
+        """
+        decoded: list[tuple[Entry, Sample | Allocation]] = []
+        for entry in entries:
+            ev = await self.b.decode_or_dlq(entry, GROUP, (Sample, Allocation))
+            if ev is not None:
+                assert isinstance(ev, Sample | Allocation)
+                decoded.append((entry, ev))
+        if not decoded:
             return
+        self.version = await self.b.version_number()
+        unseen = sorted(
+            {(ev.step, ev.group_id) for _, ev in decoded if isinstance(ev, Sample)}
+            - {(st, g) for st, ids in self.emitted_here.items() for g in ids}
+        )
+        unseen = [(st, g) for st, g in unseen if g not in self.partial]
+        for (st, g), emitted in zip(unseen, await self.b.emitted_among(unseen), strict=True):
+            if emitted:
+                self.emitted_here.setdefault(st, set()).add(g)
+        try:
+            for entry, ev in decoded:
+                await self.on_event(entry, ev)
+        finally:
+            await self.flush()
+
+    async def on_event(self, entry: Entry, ev: Sample | Allocation) -> None:
         if isinstance(ev, Allocation):
             await self.on_allocation(entry, ev)
             return
@@ -126,7 +164,7 @@ class Aggregator:
         elif plan is None:
             # A trained step's plan key is trimmed after ``redis.keep_steps`` steps: a sample of
             # that step is stale work (a fence rejection), not a sample nobody planned.
-            trained = ev.step < await self.b.version_number()
+            trained = ev.step < self.version
             reject = (
                 f"stale sample: step {ev.step} is already trained"
                 if trained
@@ -137,7 +175,7 @@ class Aggregator:
             # still generating when the step ended, or redone after its worker died)
             await self.discard(ev.step, [entry.id], f"group {ev.group_id} is {t.status} at {t.n} samples")
             return
-        elif ev.step < await self.b.version_number():
+        elif ev.step < self.version:
             reject = f"stale sample: step {ev.step} is already trained"
         elif t is None or ev.sample_index < 0:
             reject = f"group {ev.group_id} sample {ev.sample_index} is not in the plan of step {ev.step}"
@@ -152,7 +190,7 @@ class Aggregator:
             )
             return
         assert t is not None
-        if await self.b.is_emitted(ev.step, ev.group_id):
+        if ev.group_id in self.emitted_here.get(ev.step, ()):
             await self._duplicate(entry, ev, "group already emitted")
             return
         part = self.partial.setdefault(ev.group_id, Partial())
@@ -252,18 +290,31 @@ class Aggregator:
         )
         extra = [eid for i, (_, eid) in part.samples.items() if i >= t.n]  # a closed group's later samples
         ids = [eid for _, eid in part.samples.values()]
-        new = await self.b.emit_group(group, self.stats(step, gid, t, ordered, emitted=True), ids)
+        op = self.b.emit_op(group, self.stats(step, gid, t, ordered, emitted=True), ids)
+        if extra:  # counted in the same script as the emission
+            op.cmd("HINCRBY", self.k.stats, "discarded_samples", len(extra))
+            op.cmd("HINCRBY", self.k.stats, f"discarded_samples:{step}", len(extra))
         del self.partial[gid]
         self.reported.pop(gid, None)
-        if extra:
-            await self.b.incr("discarded_samples", step=step, by=len(extra))
-        if new:
-            self.emitted_count[step] = pos + 1
-            self.groups_emitted += 1
-            metrics.GROUPS.labels("aggregator").inc()
-            metrics.STEP.labels("aggregator").set(step)
-        else:
-            await self.b.incr("duplicate_groups", step=step)
+        # taken now, so that the next group of this batch gets the next position; a duplicate
+        # (another process emitted it first) makes ``flush`` read the count again
+        self.emitted_count[step] = pos + 1
+        self.emitted_here.setdefault(step, set()).add(gid)
+        self.queued.append((op, step, gid))
+
+    async def flush(self) -> None:
+        """Send the queued emissions in one round trip, and count what they did."""
+        queued, self.queued = self.queued, []
+        results = await self.b.execute_all([op for op, _, _ in queued])
+        for (_, step, gid), result in zip(queued, results, strict=True):
+            if result == "1":
+                self.groups_emitted += 1
+                metrics.GROUPS.labels("aggregator").inc()
+                metrics.STEP.labels("aggregator").set(step)
+            else:
+                log.info("group %s of step %d was already emitted", gid, step)
+                self.emitted_count.pop(step, None)  # positions: read emitted:k again
+                await self.b.incr("duplicate_groups", step=step)
 
     async def run(self, stop: asyncio.Event) -> int:
         await self.b.ensure_group(self.k.samples, GROUP)
@@ -271,8 +322,8 @@ class Aggregator:
         pending = await self.b.autoclaim(self.k.samples, GROUP, self.consumer, min_idle_ms=0, count=1000)
         if pending:
             log.info("recovering %d pending samples", len(pending))
-        for e in pending:
-            await self.on_entry(e)
+        for i in range(0, len(pending), 256):
+            await self.on_batch(pending[i : i + 256])
         last_sweep = time.monotonic()
         while not stop.is_set():
             entries = await self.b.read(
@@ -289,8 +340,7 @@ class Aggregator:
                     self.k.samples, GROUP, self.consumer, count=1000, block_ms=1, start="0"
                 )
                 entries = [e for e in mine if e.id not in held]
-            for e in entries:
-                await self.on_entry(e)
+            await self.on_batch(entries)
             if not entries and await self.b.is_done():
                 break
         return 0

@@ -31,6 +31,7 @@ from rolloutpipe.workers.reward import ScoreInput, Scorer
 
 log = logging.getLogger("rolloutpipe.rollout")
 GROUP = Groups.ROLLOUT
+DONE_CHECK_S = 0.25  # how often the run loop asks whether the run is done (one EXISTS)
 
 
 class RolloutWorker:
@@ -49,6 +50,7 @@ class RolloutWorker:
         self._live_checked = 0.0
         self.queue_share_of = 0  # of the last request read (see admission_limit)
         self._closed: dict[int, tuple[float, set[str]]] = {}  # step -> (read at, closed group ids)
+        self.slot_freed = asyncio.Event()  # set when a request leaves the engine (``run`` waits on it)
 
     async def admission_limit(self) -> int:
         """Requests this worker may hold: engine slots, plus an engine-side queue when the step allows.
@@ -219,6 +221,7 @@ class RolloutWorker:
         finally:
             self.inflight.pop(entry.id, None)
             self.inflight_reqs.pop(entry.id, None)
+            self.slot_freed.set()
             metrics.INFLIGHT.set(len(self.inflight))
 
     async def admit(self, entry: Entry, stop: asyncio.Event) -> None:
@@ -252,12 +255,18 @@ class RolloutWorker:
         hb = asyncio.create_task(self.heartbeat(stop))
         # own pending entries first (a restarted worker with the same id), then new ones
         backlog = await self.b.read(self.k.requests, GROUP, self.id, count=10_000, block_ms=1, start="0")
-        last_claim = 0.0
+        last_claim = last_done_check = 0.0
         try:
-            while not stop.is_set() and not await self.b.is_done():
+            while not stop.is_set():
+                if time.monotonic() - last_done_check > DONE_CHECK_S:
+                    last_done_check = time.monotonic()
+                    if await self.b.is_done():
+                        break
                 free = await self.admission_limit() - len(self.inflight)
-                if free <= 0:
-                    await asyncio.sleep(0.002)
+                if free <= 0:  # full: wake when a request leaves the engine, not by polling Redis
+                    self.slot_freed.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.slot_freed.wait(), DONE_CHECK_S)
                     continue
                 entries: list[Entry] = []
                 if backlog:
