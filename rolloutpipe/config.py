@@ -60,6 +60,8 @@ TOOL_VARIABLES: dict[str, str] = {
     "RP_MODELS_DIR": "compose: the host directory mounted at /models",
     "RP_DATA_DIR": "compose: the host directory mounted at /data",
     "RP_REDIS_APPENDFSYNC": "compose: the Redis service's appendfsync",
+    "RP_WEIGHTS_SERVE": "compose: trainer.weights_serve of every service (empty: off)",
+    "RP_WEIGHTS_URL": "compose: rollout.weights_url of every service (empty: the runs volume)",
     "RP_REDIS_CONTROLLER_PASSWORD": "compose: the controller's Redis password",
     "RP_REDIS_ROLLOUT_PASSWORD": "compose: the rollout workers' Redis password",
     "RP_REDIS_AGGREGATOR_PASSWORD": "compose: the aggregator's Redis password",
