@@ -124,7 +124,8 @@ class WeightsFetcher:
         received = 0
         for attempt in range(1, self.attempts + 1):
             have = part.stat().st_size if part.exists() else 0
-            headers = {"Range": f"bytes={have}-"} if have else {}
+            # identity: the bytes as published (FileResponse would send a .gz sibling compressed)
+            headers = {"Accept-Encoding": "identity", **({"Range": f"bytes={have}-"} if have else {})}
             try:
                 async with self._client().get(url, headers=headers) as resp:
                     if resp.status == 416 and have:  # asked past the end: whole already, or too long
