@@ -301,3 +301,37 @@ def test_config_keys_are_checked(tmp_path: Path) -> None:
     for bad in ("trainer.weights_serve=8700", "trainer.weights_serve=h:99999", "rollout.weights_url=h:8700"):
         with pytest.raises(ConfigError, match=bad.split("=")[0]):
             make_config(tmp_path, "c", bad)
+
+
+async def test_workers_of_one_host_share_one_download(tmp_path: Path) -> None:
+    """Two fetchers (two workers) on one cache: the lock lets one download, the other finds the copy."""
+    root, cache = tmp_path / "weights", tmp_path / "B"
+    pv = publish_weights(_state(6), root, "r", 2)
+    app = make_app(root)
+    gets: list[str] = []
+
+    async def record(request: web.Request, response: web.StreamResponse) -> None:
+        gets.append(request.path)
+
+    app.on_response_prepare.append(record)
+    async with serving(root, app) as url:
+        a, b = WeightsFetcher(url, cache, "r"), WeightsFetcher(url, cache, "r")
+        try:
+            la, lb = await asyncio.gather(a.fetch(pv), b.fetch(pv))
+        finally:
+            await a.close()
+            await b.close()
+    assert gets == [f"/v000002/{WEIGHTS_FILE}"]
+    assert la.path == lb.path == str(cache / "r" / "v000002")
+    verify_weights(la)
+
+
+def test_no_url_means_no_fetcher(tmp_path: Path) -> None:
+    """Without rollout.weights_url the engine gets the event as published (shared storage)."""
+    from rolloutpipe.workers.weights_fetch import make_fetcher
+
+    assert make_fetcher(make_config(tmp_path, "c").rollout, "c") is None
+    f = make_fetcher(make_config(tmp_path, "c", "rollout.weights_url=http://h:1/").rollout, "c")
+    assert (
+        f is not None and f.base_url == "http://h:1" and f.dir == Path.home() / ".cache/rolloutpipe/weights/c"
+    )
