@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Literal, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -60,6 +60,8 @@ TOOL_VARIABLES: dict[str, str] = {
     "RP_MODELS_DIR": "compose: the host directory mounted at /models",
     "RP_DATA_DIR": "compose: the host directory mounted at /data",
     "RP_REDIS_APPENDFSYNC": "compose: the Redis service's appendfsync",
+    "RP_WEIGHTS_SERVE": "compose: trainer.weights_serve of every service (empty: off)",
+    "RP_WEIGHTS_URL": "compose: rollout.weights_url of every service (empty: the runs volume)",
     "RP_REDIS_CONTROLLER_PASSWORD": "compose: the controller's Redis password",
     "RP_REDIS_ROLLOUT_PASSWORD": "compose: the rollout workers' Redis password",
     "RP_REDIS_AGGREGATOR_PASSWORD": "compose: the aggregator's Redis password",
@@ -92,6 +94,15 @@ def mode_label(schedule: str, policy: str) -> str:
         if pair == (schedule, policy):
             return name
     return f"{schedule}/{policy}"
+
+
+def parse_listen(spec: str) -> tuple[str, int]:
+    """``host:port`` (``[::1]:8700`` for an IPv6 address) -> (host, port); a ValueError says why not."""
+    host, sep, port = spec.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{spec!r} is not host:port (e.g. 0.0.0.0:8700; port 0 picks a free one)")
+    return host, int(port)
 
 
 class _Section(BaseModel):
@@ -242,8 +253,24 @@ class RolloutConfig(_Section):
     # The engines' own randomness (vLLM's engine seed; the emulated engine's lengths and rewards).
     # Each request also carries a seed of its own, drawn by the controller from ``controller.seed``.
     seed: int = 0
+    # Weights across hosts (docs/operations.md, "Weights across hosts").  ``weights_url``: the base
+    # URL of the trainer's ``trainer.weights_serve`` (``http://trainer-host:8700``); each new version
+    # is downloaded (resumable Range requests) into ``weights_cache``/RUN/vNNNNNN, every file checked
+    # against the PolicyVersion's sha256, and the engine loads that local copy.  Empty: the engine
+    # reads the version's path itself (storage shared with the trainer).  ``weights_cache`` is this
+    # host's, shared by its workers; ``weights_cache_keep`` versions stay in it (0 keeps all).
+    weights_url: str = ""
+    weights_cache: str = "~/.cache/rolloutpipe/weights"
+    weights_cache_keep: int = Field(default=2, ge=0)
     vllm: VllmEngineConfig = Field(default_factory=VllmEngineConfig)
     emulated: EmulatedEngineConfig = Field(default_factory=EmulatedEngineConfig)
+
+    @field_validator("weights_url")
+    @classmethod
+    def _check_weights_url(cls, v: str) -> str:
+        if v and not v.startswith(("http://", "https://")):
+            raise ValueError(f"an http:// or https:// URL (or empty), not {v!r}")
+        return v
 
 
 class ControllerConfig(_Section):
@@ -347,12 +374,23 @@ class TrainerConfig(_Section):
     record_groups: bool = False  # write every consumed group to OUT/groups.msgpack (replay, audits)
     keep_versions: int = 3  # published weight versions kept on disk (0 keeps all)
     keep_checkpoints: int = 2  # trainer checkpoints (OUT/checkpoints/RUN) kept for resume (0 keeps all)
+    # ``host:port`` (``0.0.0.0:8700``; port 0 picks a free one, logged) where the trainer serves its
+    # published weights over HTTP to workers with ``rollout.weights_url``; empty: off.  Read-only:
+    # published version folders only (``rolloutpipe/trainer/weights_http.py``).
+    weights_serve: str = ""
     # Experiment logging with slime/verl names (perf/*, rollout/*); each needs its package.
     log_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
     wandb_project: str = "rolloutpipe"
     record_timeline: bool = False  # write OUT/timeline.jsonl: per-sample and trainer busy intervals
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
     emulated: EmulatedTrainerConfig = Field(default_factory=EmulatedTrainerConfig)
+
+    @field_validator("weights_serve")
+    @classmethod
+    def _check_listen(cls, v: str) -> str:
+        if v:
+            parse_listen(v)  # a ValueError says what is wrong
+        return v
 
     @model_validator(mode="after")
     def _check_loss(self) -> TrainerConfig:

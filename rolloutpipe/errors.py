@@ -17,6 +17,10 @@ class WeightsVerificationError(RolloutPipeError):
     """Published weights whose checksum does not match their manifest."""
 
 
+class WeightsFetchError(RolloutPipeError):
+    """A policy version that could not be fetched from the trainer's weights URL (retried later)."""
+
+
 class EmbeddedRedisError(RolloutPipeError):
     """The private redis-server could not be started."""
 

@@ -493,9 +493,17 @@ async def run_trainer(cfg: Config, url: str, run: str, out: Path, stop: asyncio.
     try:
         broker = Broker(r, run, "trainer", maxlen=cfg.redis.maxlen)
         backend = await asyncio.to_thread(make_backend, cfg)
+        server = None
         try:
-            return await Trainer(cfg, broker, backend, out).run(stop)
+            trainer = Trainer(cfg, broker, backend, out)
+            if cfg.trainer.weights_serve:  # workers without this filesystem fetch from here
+                from rolloutpipe.trainer.weights_http import serve_weights
+
+                server = await serve_weights(trainer.weights_root, cfg.trainer.weights_serve)
+            return await trainer.run(stop)
         finally:
+            if server is not None:
+                await server.close()
             if (close := getattr(backend, "close", None)) is not None:  # deepspeed: release followers
                 await asyncio.to_thread(close)
     finally:

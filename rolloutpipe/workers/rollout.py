@@ -24,10 +24,11 @@ from rolloutpipe import metrics
 from rolloutpipe.broker.events import RolloutRequest, Sample
 from rolloutpipe.broker.streams import Broker, Entry, Groups, connect
 from rolloutpipe.config import Config
-from rolloutpipe.errors import WeightsVerificationError
+from rolloutpipe.errors import WeightsFetchError, WeightsVerificationError
 from rolloutpipe.runtime import close_client, wait_event
 from rolloutpipe.workers.engines import Engine, make_engine
 from rolloutpipe.workers.reward import ScoreInput, Scorer
+from rolloutpipe.workers.weights_fetch import make_fetcher
 
 log = logging.getLogger("rolloutpipe.rollout")
 GROUP = Groups.ROLLOUT
@@ -51,6 +52,7 @@ class RolloutWorker:
         self.queue_share_of = 0  # of the last request read (see admission_limit)
         self._closed: dict[int, tuple[float, set[str]]] = {}  # step -> (read at, closed group ids)
         self.slot_freed = asyncio.Event()  # set when a request leaves the engine (``run`` waits on it)
+        self.fetcher = make_fetcher(cfg.rollout, broker.run)  # None: engines read pv.path (shared storage)
 
     async def admission_limit(self) -> int:
         """Requests this worker may hold: engine slots, plus an engine-side queue when the step allows.
@@ -136,11 +138,18 @@ class RolloutWorker:
                 await self.retire_old_version(pv.policy_version)
             t0 = time.monotonic()
             try:
-                await self.engine.load_weights(pv)
+                # over HTTP (rollout.weights_url): this host's verified copy; else the trainer's path
+                local = pv if self.fetcher is None else await self.fetcher.fetch(pv)
+                await self.engine.load_weights(local)
             except WeightsVerificationError as e:
                 log.error("refusing policy version %d: %s; staying on %d", pv.policy_version, e, self.version)
                 await self.b.incr("weight_rejections")
                 await asyncio.sleep(0.5)
+                continue
+            except WeightsFetchError as e:
+                log.warning("cannot fetch policy version %d yet: %s; retrying", pv.policy_version, e)
+                await self.b.incr("weight_fetch_errors")
+                await asyncio.sleep(1.0)
                 continue
             self.version = pv.policy_version
             metrics.WEIGHT_LOAD.observe(time.monotonic() - t0)
@@ -297,6 +306,8 @@ class RolloutWorker:
             await hb
             await self.engine.close()
             self.scorer.close()
+            if self.fetcher is not None:
+                await self.fetcher.close()
         return 0
 
 
