@@ -188,6 +188,33 @@ def test_round_trip_group_keeps_frontier_and_samples() -> None:
     assert back.advantages.dtype == np.dtype("<f4")
 
 
+def test_a_group_with_spliced_sample_bytes_decodes_to_the_group_encode_gives() -> None:
+    """``encode_group`` (the aggregator's: each sample's bytes as they arrived) against ``encode``
+    (the reference: every field packed anew): the same wire map, field for field, and the same group."""
+    g = make_group()
+    raws: list[bytes | None] = [DEFAULT_CODEC.encode(s) for s in g.samples]
+    raws[2] = None  # a sample whose bytes were not kept is packed anew
+    spliced = DEFAULT_CODEC.encode_group(g, raws)
+    assert msgpack.unpackb(spliced, raw=False) == wire(g)
+    assert_same(
+        DEFAULT_CODEC.decode_as(spliced, Group), DEFAULT_CODEC.decode_as(DEFAULT_CODEC.encode(g), Group)
+    )
+    with pytest.raises(ValueError, match="3 raw samples for a group of 4"):
+        DEFAULT_CODEC.encode_group(g, raws[:3])
+
+
+def test_a_spliced_sample_sent_as_a_list_of_ints_still_decodes() -> None:
+    """A client may send arrays as msgpack arrays of numbers (the decoder converts them); spliced
+    as they came, the group still decodes to the same arrays."""
+    g = make_group()
+    obj = wire(g.samples[0])
+    obj["response_ids"] = [int(x) for x in g.samples[0].response_ids]
+    raws: list[bytes | None] = [msgpack.packb(obj, use_bin_type=True), *(None for _ in g.samples[1:])]
+    back = DEFAULT_CODEC.decode_as(DEFAULT_CODEC.encode_group(g, raws), Group)
+    np.testing.assert_array_equal(back.samples[0].response_ids, g.samples[0].response_ids)
+    assert back.samples[0].response_ids.dtype == np.dtype("<i4")
+
+
 def test_empty_arrays_round_trip() -> None:
     s = make_sample(n_resp=0)
     back = DEFAULT_CODEC.decode_as(DEFAULT_CODEC.encode(s), Sample)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 
 import msgpack
 from pydantic import TypeAdapter, ValidationError
 
-from rolloutpipe.broker.events import SCHEMA_VERSION, AnyEvent, Event
+from rolloutpipe.broker.events import SCHEMA_VERSION, AnyEvent, Event, Group
 from rolloutpipe.errors import CodecError
 
 E = TypeVar("E", bound=Event)
@@ -28,6 +28,26 @@ class MsgpackCodec:
     def encode(self, event: Event) -> bytes:
         out: bytes = msgpack.packb(event.model_dump(mode="python"), use_bin_type=True)
         return out
+
+    def encode_group(self, group: Group, raw_samples: Sequence[bytes | None]) -> bytes:
+        """``encode(group)``, with each sample's map spliced in from the bytes it arrived as.
+
+        A group re-embeds its samples, and re-encoding them was most of the aggregator's CPU (the
+        token and logprob arrays of G samples, serialized again).  A sample's bytes were decoded and
+        validated on the way in, and a map is a map whatever its field order, so splicing them gives
+        an event that decodes to the same group.  ``None`` (no bytes kept) encodes that sample anew.
+        """
+        if len(raw_samples) != len(group.samples):
+            raise ValueError(f"{len(raw_samples)} raw samples for a group of {len(group.samples)}")
+        head = group.model_dump(mode="python", exclude={"samples"})
+        pk = msgpack.Packer(use_bin_type=True)
+        out = [pk.pack_map_header(len(head) + 1)]
+        for k, v in head.items():
+            out += [pk.pack(k), pk.pack(v)]
+        out += [pk.pack("samples"), pk.pack_array_header(len(raw_samples))]
+        for raw, sample in zip(raw_samples, group.samples, strict=True):
+            out.append(raw if raw is not None else pk.pack(sample.model_dump(mode="python")))
+        return b"".join(out)
 
     def decode(self, data: object) -> Event:
         if not isinstance(data, bytes | bytearray):

@@ -22,12 +22,10 @@ def _packer(dtype: str) -> tuple[BeforeValidator, PlainSerializer]:
         if isinstance(v, np.ndarray):
             return np.ascontiguousarray(v, dtype=np_dtype)
         if isinstance(v, bytes | bytearray | memoryview):
-            b = bytes(v)
-            if len(b) % np_dtype.itemsize:
-                raise ValueError(
-                    f"packed {dtype} array has {len(b)} bytes, not a multiple of {np_dtype.itemsize}"
-                )
-            return np.frombuffer(b, dtype=np_dtype).copy()
+            n = memoryview(v).nbytes
+            if n % np_dtype.itemsize:
+                raise ValueError(f"packed {dtype} array has {n} bytes, not a multiple of {np_dtype.itemsize}")
+            return np.frombuffer(v, dtype=np_dtype).copy()  # one copy: the array owns its memory
         if isinstance(v, list | tuple):
             try:
                 arr = np.asarray(v, dtype=np_dtype)

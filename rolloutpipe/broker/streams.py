@@ -642,12 +642,22 @@ class Broker:
         """
         return await self.emit_op(group, stats, entry_ids).execute() == "1"
 
-    def emit_op(self, group: Group, stats: GroupStats, entry_ids: Sequence[str]) -> Once:
-        """The write of :meth:`emit_group`, to run alone or with others (:meth:`execute_all`)."""
+    def emit_op(
+        self,
+        group: Group,
+        stats: GroupStats,
+        entry_ids: Sequence[str],
+        raw_samples: Sequence[bytes | None] | None = None,
+    ) -> Once:
+        """The write of :meth:`emit_group`, to run alone or with others (:meth:`execute_all`).
+
+        ``raw_samples``: the samples' bytes as they arrived, spliced into the group unencoded.
+        """
         k = self.keys
         op = self.once(group.step).xack(k.samples, Groups.AGGREGATOR, list(entry_ids))
         op.cmd("SADD", k.emitted(group.step), group.group_id, mode="g")
-        return op.xadd(k.groups, self.encode(group)).xadd(k.feedback, self.encode(stats))
+        raw = self.encode(group) if raw_samples is None else self.codec.encode_group(group, raw_samples)
+        return op.xadd(k.groups, raw).xadd(k.feedback, self.encode(stats))
 
     async def emitted_among(self, pairs: Sequence[tuple[int, str]]) -> list[bool]:
         """For each (step, group id): is it in ``emitted:step``?  One round trip."""

@@ -65,6 +65,7 @@ class Target:
 @dataclass
 class Partial:
     samples: dict[int, tuple[Sample, str]] = field(default_factory=dict)  # sample_index -> (sample, entry id)
+    raw: dict[int, bytes] = field(default_factory=dict)  # sample_index -> the bytes it arrived as
 
 
 class Aggregator:
@@ -199,6 +200,7 @@ class Aggregator:
                 await self._duplicate(entry, ev, "sample already in group")
             return
         part.samples[ev.sample_index] = (ev, entry.id)
+        part.raw[ev.sample_index] = entry.data
         metrics.SAMPLES.labels("aggregator").inc()
         await self.check(ev.step, ev.group_id)
 
@@ -290,7 +292,8 @@ class Aggregator:
         )
         extra = [eid for i, (_, eid) in part.samples.items() if i >= t.n]  # a closed group's later samples
         ids = [eid for _, eid in part.samples.values()]
-        op = self.b.emit_op(group, self.stats(step, gid, t, ordered, emitted=True), ids)
+        raw = [part.raw.get(i) for i in range(t.n)]
+        op = self.b.emit_op(group, self.stats(step, gid, t, ordered, emitted=True), ids, raw)
         if extra:  # counted in the same script as the emission
             op.cmd("HINCRBY", self.k.stats, "discarded_samples", len(extra))
             op.cmd("HINCRBY", self.k.stats, f"discarded_samples:{step}", len(extra))
