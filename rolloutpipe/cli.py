@@ -58,6 +58,11 @@ def _parser() -> argparse.ArgumentParser:
         if role == "rollout":
             rp.add_argument("--worker-id", default="", help="stable consumer name (default host-pid)")
             rp.add_argument("--engine", choices=["transformers", "emulated", "vllm"], help="rollout.engine")
+        if role == "aggregator":
+            rp.add_argument(
+                "--shard", type=int, default=None,
+                help="serve samples stream I of redis.sample_shards (default: every shard)",
+            )  # fmt: skip
         if role == "trainer":
             rp.add_argument("--backend", choices=["torch", "emulated", "deepspeed"], help="trainer.backend")
         rp.add_argument("overrides", nargs="*", help="dotted.key=value")
@@ -65,11 +70,14 @@ def _parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="timeline and per-step pictures plus one HTML page of a run")
     report.add_argument("dir", help="the run's --out directory (metrics.jsonl, timeline.jsonl)")
 
-    from rolloutpipe.ops import STREAMS
+    from rolloutpipe.ops import STREAMS, stream_name
 
     url_help = "default: $RP_REDIS_URL or redis://127.0.0.1:6379/0"
     tail = sub.add_parser("tail", help="print a run's stream entries as JSON lines (read-only)")
-    tail.add_argument("stream", metavar="STREAM", choices=STREAMS, help=f"one of {', '.join(STREAMS)}")
+    tail.add_argument(
+        "stream", metavar="STREAM", type=stream_name,
+        help=f"one of {', '.join(STREAMS)}, or samples:N (shard N of redis.sample_shards)",
+    )  # fmt: skip
     tail.add_argument("--run", required=True)
     tail.add_argument("--redis-url", default="", help=url_help)
     tail.add_argument("-n", type=int, default=20, help="the last N matching entries (default 20; 0: none)")
@@ -249,7 +257,7 @@ def cmd_role(args: argparse.Namespace) -> int:
         if args.cmd == "aggregator":
             from rolloutpipe.workers.aggregator import run_aggregator
 
-            return await run_aggregator(cfg, url, args.run, stop)
+            return await run_aggregator(cfg, url, args.run, stop, args.shard)
         from rolloutpipe.trainer.trainer import run_trainer
 
         return await run_trainer(cfg, url, args.run, Path(args.out or cfg.out), stop)

@@ -452,6 +452,10 @@ class RedisConfig(_Section):
     trim: bool = True
     keep_steps: int = Field(default=8, ge=0)
     control_maxlen: int = Field(default=128, ge=0)  # 3 entries a step: the last ~40 steps' events
+    # Aggregator scale-out: `samples` split into this many streams by group id (CRC-32), one
+    # aggregator process each (`rolloutpipe aggregator --shard I`; `rolloutpipe run` starts them
+    # all).  Every role of a run must use the same value (checked at start).  docs/operations.md.
+    sample_shards: int = Field(default=1, ge=1, le=64)
 
 
 class Config(BaseSettings):

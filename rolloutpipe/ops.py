@@ -13,6 +13,7 @@ infinities as the strings ``"nan"``, ``"inf"``, ``"-inf"`` (so every line stays 
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -79,10 +80,23 @@ def connect(url: str) -> redis.Redis:
 
 
 def stream_key(keys: Keys, stream: str) -> str:
+    """``samples:N`` names shard N of a run with ``redis.sample_shards`` > 1 (``samples`` is shard 0)."""
+    name, _, shard = stream.partition(":")
+    if name == "samples" and shard.isdigit() and int(shard) > 0:
+        return keys.samples_shard(int(shard))
     if stream not in STREAMS:
-        raise ValueError(f"unknown stream {stream!r}; choose from {', '.join(STREAMS)}")
+        raise ValueError(f"unknown stream {stream!r}; choose from {', '.join(STREAMS)} (or samples:N)")
     key: str = getattr(keys, stream)
     return key
+
+
+def stream_name(value: str) -> str:
+    """``tail``'s STREAM argument: one of STREAMS, or ``samples:N`` (a samples shard)."""
+    try:
+        stream_key(Keys("x"), value)
+    except ValueError as e:  # argparse shows this message as the error
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return value
 
 
 def stream_exists(r: redis.Redis, run: str, stream: str) -> bool:
@@ -409,6 +423,8 @@ def collect_status(r: redis.Redis, run: str, now: float | None = None) -> dict[s
     now = time.time() if now is None else now
     k = Keys(run)
     streams = {name: _stream_info(r, getattr(k, name)) for name in STREAMS}
+    shards = _int(r.get(k.sample_shards)) or 1  # samples:1.. of a run split across aggregators
+    streams.update({f"samples:{i}": _stream_info(r, k.samples_shard(i)) for i in range(1, shards)})
     workers = _workers(r, k, now)
     version = _version(r, k, now)
     step = _current_step(r, k, version)

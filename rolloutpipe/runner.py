@@ -84,7 +84,11 @@ class Cluster:
         tc, rc = self.cfg.trainer, self.cfg.rollout
         out = ["--out", str(self.out)]
         self.spawn("trainer", "trainer", out, devices=tc.devices, launcher=trainer_launcher(tc))
-        self.spawn("aggregator", "aggregator")
+        shards = self.cfg.redis.sample_shards
+        if shards == 1:
+            self.spawn("aggregator", "aggregator")
+        for i in range(shards if shards > 1 else 0):  # one aggregator a samples shard
+            self.spawn("aggregator", f"aggregator-s{i}", ["--shard", str(i)])
         for i in range(rc.workers):
             devices = rc.devices[i % len(rc.devices)] if rc.devices else ""
             self.spawn("rollout", f"rollout-{i}", ["--worker-id", f"{self.cfg.run}-w{i}"], devices=devices)

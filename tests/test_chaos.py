@@ -59,6 +59,8 @@ def respawn(d: Driver, rp: RoleProc, n: int) -> RoleProc:
     if role == "rollout":
         i = rp.name.split("-")[1]
         return cluster.spawn("rollout", f"rollout-{i}-r{n}", ["--worker-id", f"{cfg.run}-w{i}"])
+    if role == "aggregator" and (shard := [*rp.name.split("-"), ""][1]).startswith("s"):  # aggregator-s1
+        return cluster.spawn(role, f"aggregator-{shard}-r{n}", ["--shard", shard[1:]])
     return cluster.spawn(role, f"{role}-r{n}")
 
 
@@ -104,18 +106,23 @@ def audit(sr: redis.Redis, d: Driver) -> dict[str, int]:
     return result
 
 
+@pytest.mark.parametrize("shards", [1, 2], ids=["one-aggregator", "two-aggregator-shards"])
 def test_sigkill_every_role_at_random_moments(
-    tmp_path: Path, run_name: str, redis_url: str, sr: redis.Redis
+    tmp_path: Path, run_name: str, redis_url: str, sr: redis.Redis, shards: int
 ) -> None:
+    """With ``redis.sample_shards=2`` two aggregators split the samples by group id; a killed one is
+    respawned on its shard and rebuilds that shard's partial groups, and exactly-once still holds."""
     seed = int(os.environ.get("RP_CHAOS_SEED") or random.randrange(2**31))
     print(f"chaos seed {seed} (replay: RP_CHAOS_SEED={seed})")
     rng = random.Random(seed)
-    cfg = make_config(tmp_path, run_name, *OVERRIDES)
+    cfg = make_config(tmp_path, run_name, *OVERRIDES, f"redis.sample_shards={shards}")
     schedule = [*rng.sample(ROLES, len(ROLES)), *(rng.choice(ROLES) for _ in range(EXTRA_KILLS))]
+    schedule += ["aggregator"] * (shards - 1)  # room to kill every shard's aggregator
     # kill i lands in step targets[i] (spread over the run, never after the last step), at a random
     # moment inside it
     targets = sorted(rng.randrange(0, STEPS - 1) for _ in schedule)
     kills: Counter[str] = Counter()
+    shard_kills: Counter[str] = Counter({f"s{i}": 0 for i in range(shards)})
     t0 = time.monotonic()
     cluster = start_cluster(cfg, redis_url)
     try:
@@ -128,6 +135,9 @@ def test_sigkill_every_role_at_random_moments(
                 break
             alive = [rp for rp in cluster.procs if rp.name.split("-")[0] == role and rp.proc.poll() is None]
             victim = rng.choice(alive)
+            if role == "aggregator" and shards > 1:  # the shard killed least so far
+                victim = min(alive, key=lambda rp: (shard_kills[rp.name.split("-")[1]], rp.name))
+                shard_kills[victim.name.split("-")[1]] += 1
             at = version(sr, run_name)
             d.kill(victim)
             kills[role] += 1
@@ -151,3 +161,10 @@ def test_sigkill_every_role_at_random_moments(
         stop_cluster(cluster, sr)
     print(f"chaos kills per role: {dict(kills)}; {json.dumps(counts)}; {time.monotonic() - t0:.1f}s")
     assert set(kills) == set(ROLES), f"not every role was killed: {dict(kills)}"
+    if shards > 1:  # every shard's aggregator was killed, and each shard's stream is fully acknowledged
+        assert min(shard_kills.values()) >= 1, dict(shard_kills)
+        keys = Keys(run_name)
+        for stream in keys.sample_streams(shards):
+            assert int(sr.xpending(stream, "aggregator")["pending"]) == 0, stream
+            info: Any = sr.xinfo_groups(stream)
+            assert info and info[0]["entries-read"] > 0, stream

@@ -17,6 +17,7 @@ import json
 import logging
 import time
 import uuid
+import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -45,7 +46,7 @@ from rolloutpipe.broker.events import (
     StepPlan,
     StepSeal,
 )
-from rolloutpipe.errors import CodecError
+from rolloutpipe.errors import CodecError, ConfigError
 
 log = logging.getLogger("rolloutpipe.broker")
 
@@ -159,6 +160,12 @@ def lag_of(groups_info: Any, group: str) -> int | None:
     return None
 
 
+def shard_of(group_id: str, shards: int) -> int:
+    """The samples shard of a group: CRC-32 of its id mod ``shards`` (the same in every process and
+    host, unlike ``hash``), so every sample and allocation of a group meets in one aggregator."""
+    return zlib.crc32(group_id.encode()) % shards if shards > 1 else 0
+
+
 class Keys:
     """Names of every stream and key of one run."""
 
@@ -177,6 +184,16 @@ class Keys:
         self.stats = p + "stats"
         self.done = p + "done"
         self.prompt_history = p + "prompt_history"  # prompt index -> recent PromptRecords (JSON)
+        self.sample_shards = (
+            p + "sample_shards"
+        )  # how many samples streams the run has (``redis.sample_shards``)
+
+    def samples_shard(self, i: int) -> str:
+        """Samples stream ``i`` of a run split across aggregators: ``samples``, ``samples:1``, …"""
+        return self.samples if i == 0 else f"{self.samples}:{i}"
+
+    def sample_streams(self, shards: int) -> list[str]:
+        return [self.samples_shard(i) for i in range(max(1, shards))]
 
     def plan(self, step: int) -> str:
         return f"{self.prefix}plan:{step}"
@@ -293,9 +310,11 @@ class Broker:
         *,
         maxlen: int = 100_000,
         codec: MsgpackCodec | None = None,
+        sample_shards: int = 1,
     ) -> None:
         self.r = r
         self.keys = Keys(run)
+        self.shards = max(1, sample_shards)  # samples streams: one aggregator each (``shard_of``)
         self.run = run
         self.role = role
         self.maxlen = maxlen
@@ -316,6 +335,22 @@ class Broker:
     def once(self, step: int | None) -> Once:
         """A write applied at most once, however often a lost reply makes redis-py send it."""
         return Once(self, step)
+
+    def sample_stream(self, group_id: str) -> str:
+        """The samples stream a group's samples and allocations go to."""
+        return self.keys.samples_shard(shard_of(group_id, self.shards))
+
+    async def check_shards(self) -> None:
+        """Every role of a run must split ``samples`` the same way, or a group's samples would wait on
+        a stream no aggregator of theirs reads: the first role to start records the count, and a
+        role configured with another count stops with a ConfigError that names both."""
+        await self.r.set(self.keys.sample_shards, self.shards, nx=True)
+        have = int(await self.r.get(self.keys.sample_shards) or self.shards)
+        if have != self.shards:
+            raise ConfigError(
+                f"run {self.run!r} splits its samples into {have} streams (redis.sample_shards), but this "
+                f"{self.role} was started with {self.shards}: start every role with the same value"
+            )
 
     def once_script(self) -> Any:
         if self._once is None:
@@ -362,7 +397,22 @@ class Broker:
         block_ms: int = 100,
         start: str = ">",
     ) -> list[Entry]:
-        resp = await self.r.xreadgroup(group, consumer, {stream: start}, count=count, block=block_ms)
+        return await self.read_streams([stream], group, consumer, count=count, block_ms=block_ms, start=start)
+
+    async def read_streams(
+        self,
+        streams: Sequence[str],
+        group: str,
+        consumer: str,
+        *,
+        count: int = 16,
+        block_ms: int = 100,
+        start: str = ">",
+    ) -> list[Entry]:
+        """One XREADGROUP over several streams (an aggregator serving several samples shards)."""
+        resp = await self.r.xreadgroup(
+            group, consumer, dict.fromkeys(streams, start), count=count, block=block_ms
+        )
         return _entries(resp)
 
     async def autoclaim(
@@ -601,14 +651,15 @@ class Broker:
         k = self.keys
         op = self.once(sample.step).xack(k.requests, Groups.ROLLOUT, [request_entry])
         op.cmd("SADD", k.finished_ids(sample.step), request_entry, mode="g")
-        await op.xadd(k.samples, self.encode(sample)).cmd("INCRBY", k.finished(sample.step), 1).execute()
+        op.xadd(self.sample_stream(sample.group_id), self.encode(sample))
+        await op.cmd("INCRBY", k.finished(sample.step), 1).execute()
 
     async def write_allocation(self, alloc: Allocation) -> None:
         """The decision on record (``alloc:k``), its news to the aggregator, and a close mark: together,
         once."""
         raw = self.encode(alloc)
         op = self.once(alloc.step).cmd("HSET", self.keys.alloc(alloc.step), alloc.group_id, raw)
-        op.xadd(self.keys.samples, raw)
+        op.xadd(self.sample_stream(alloc.group_id), raw)
         if alloc.status in ("closed", "skipped"):
             op.cmd("SADD", self.keys.closed(alloc.step), alloc.group_id)
         await op.execute()
@@ -654,7 +705,9 @@ class Broker:
         ``raw_samples``: the samples' bytes as they arrived, spliced into the group unencoded.
         """
         k = self.keys
-        op = self.once(group.step).xack(k.samples, Groups.AGGREGATOR, list(entry_ids))
+        op = self.once(group.step).xack(
+            self.sample_stream(group.group_id), Groups.AGGREGATOR, list(entry_ids)
+        )
         op.cmd("SADD", k.emitted(group.step), group.group_id, mode="g")
         raw = self.encode(group) if raw_samples is None else self.codec.encode_group(group, raw_samples)
         return op.xadd(k.groups, raw).xadd(k.feedback, self.encode(stats))

@@ -84,16 +84,21 @@ async def needed_from(r: aioredis.Redis, stream: str, group: str) -> str | None:
     return f"{lowest[0]}-{lowest[1]}"
 
 
-async def trim_streams(r: aioredis.Redis, keys: Keys, *, control_maxlen: int = 0) -> dict[str, int]:
+async def trim_streams(
+    r: aioredis.Redis, keys: Keys, *, control_maxlen: int = 0, sample_shards: int = 1
+) -> dict[str, int]:
     out: dict[str, int] = {}
     for attr, group in DOWNSTREAM.items():
-        stream = getattr(keys, attr)
-        minid = await needed_from(r, stream, group)
-        if minid is None:
-            continue
-        n = await r.xtrim(stream, minid=minid, approximate=False)
-        if n:
-            out[attr] = int(n)
+        # ``samples`` split across aggregators: each shard's stream against its own consumer group
+        streams = keys.sample_streams(sample_shards) if attr == "samples" else [getattr(keys, attr)]
+        for stream in streams:
+            minid = await needed_from(r, stream, group)
+            if minid is None:
+                continue
+            n = await r.xtrim(stream, minid=minid, approximate=False)
+            if n:
+                name = attr if stream == getattr(keys, attr) else stream.removeprefix(keys.prefix)
+                out[name] = int(n)
     if control_maxlen > 0:
         n = await r.xtrim(keys.control, maxlen=control_maxlen, approximate=False)
         if n:
@@ -117,9 +122,15 @@ async def drop_old_steps(
 
 
 async def trim_run(
-    r: aioredis.Redis, keys: Keys, current_step: int, *, keep_steps: int, control_maxlen: int
+    r: aioredis.Redis,
+    keys: Keys,
+    current_step: int,
+    *,
+    keep_steps: int,
+    control_maxlen: int,
+    sample_shards: int = 1,
 ) -> TrimResult:
-    res = TrimResult(await trim_streams(r, keys, control_maxlen=control_maxlen))
+    res = TrimResult(await trim_streams(r, keys, control_maxlen=control_maxlen, sample_shards=sample_shards))
     res.deleted_keys = await drop_old_steps(r, keys, current_step, keep_steps)
     if res.trimmed or res.deleted_keys:
         log.debug(

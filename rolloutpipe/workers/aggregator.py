@@ -26,6 +26,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,6 +43,7 @@ from rolloutpipe.broker.events import (
 )
 from rolloutpipe.broker.streams import Broker, Entry, Groups, Once, connect
 from rolloutpipe.config import Config
+from rolloutpipe.errors import ConfigError
 from rolloutpipe.runtime import close_client
 from rolloutpipe.trainer.grpo import group_advantages
 
@@ -69,11 +71,18 @@ class Partial:
 
 
 class Aggregator:
-    def __init__(self, cfg: Config, broker: Broker, consumer: str) -> None:
+    def __init__(
+        self, cfg: Config, broker: Broker, consumer: str, shards: Sequence[int] | None = None
+    ) -> None:
         self.cfg = cfg
         self.b = broker
         self.k = broker.keys
         self.consumer = consumer
+        # the samples streams this process serves: one shard (``--shard``), or all of them
+        served = list(range(broker.shards)) if shards is None else list(shards)
+        if not served or any(not 0 <= i < broker.shards for i in served):
+            raise ConfigError(f"aggregator shards {served}: the run has shards 0..{broker.shards - 1}")
+        self.streams = [self.k.samples_shard(i) for i in served]
         self.partial: dict[str, Partial] = {}
         self.emitted_count: dict[int, int] = {}
         self.plans: dict[int, StepPlan] = {}
@@ -137,6 +146,10 @@ class Aggregator:
         if not decoded:
             return
         self.version = await self.b.version_number()
+        if len(self.streams) < self.b.shards:
+            # other aggregators emit groups of the same steps: a group's FIFO position is read
+            # again (SCARD emitted:k) once a batch, and is approximate when two shards emit at once
+            self.emitted_count.clear()
         unseen = sorted(
             {(ev.step, ev.group_id) for _, ev in decoded if isinstance(ev, Sample)}
             - {(st, g) for st, ids in self.emitted_here.items() for g in ids}
@@ -152,6 +165,13 @@ class Aggregator:
             await self.flush()
 
     async def on_event(self, entry: Entry, ev: Sample | Allocation) -> None:
+        if entry.stream != (home := self.b.sample_stream(ev.group_id)):
+            # a role started with another redis.sample_shards (check_shards refuses that at start)
+            await self.b.dead_letter(
+                entry, f"{ev.kind} of group {ev.group_id} on {entry.stream}, whose shard is {home}",
+                step=ev.step, policy_version=ev.policy_version, ack_group=GROUP,
+            )  # fmt: skip
+            return
         if isinstance(ev, Allocation):
             await self.on_allocation(entry, ev)
             return
@@ -174,7 +194,9 @@ class Aggregator:
         elif unkept and t is not None:
             # kept by no allocation, whether its step is trained or not (a closed group's request
             # still generating when the step ended, or redone after its worker died)
-            await self.discard(ev.step, [entry.id], f"group {ev.group_id} is {t.status} at {t.n} samples")
+            await self.discard(
+                ev.step, entry.stream, [entry.id], f"group {ev.group_id} is {t.status} at {t.n} samples"
+            )
             return
         elif ev.step < self.version:
             reject = f"stale sample: step {ev.step} is already trained"
@@ -211,7 +233,7 @@ class Aggregator:
                                      ack_group=GROUP)  # fmt: skip
             return
         self.apply(a)
-        await self.b.ack(self.k.samples, GROUP, entry.id)
+        await self.b.ack(entry.stream, GROUP, entry.id)
         await self.check(a.step, a.group_id)
 
     async def check(self, step: int, gid: str) -> None:
@@ -221,7 +243,8 @@ class Aggregator:
         if t.status == "skipped":
             if part is not None:
                 del self.partial[gid]
-                await self.discard(step, [eid for _, eid in part.samples.values()], f"group {gid} skipped")
+                ids = [eid for _, eid in part.samples.values()]
+                await self.discard(step, self.b.sample_stream(gid), ids, f"group {gid} skipped")
             return
         if part is None or sum(1 for i in part.samples if i < t.n) < t.n:
             return
@@ -233,9 +256,9 @@ class Aggregator:
                 self.k.feedback, self.stats(step, gid, t, self.members(part, t), emitted=False)
             )
 
-    async def discard(self, step: int, entry_ids: list[str], why: str) -> None:
+    async def discard(self, step: int, stream: str, entry_ids: list[str], why: str) -> None:
         """Samples no allocation keeps (closed or skipped groups): acknowledged, counted, never trained."""
-        await self.b.ack(self.k.samples, GROUP, *entry_ids)
+        await self.b.ack(stream, GROUP, *entry_ids)
         await self.b.incr("discarded_samples", step=step, by=len(entry_ids))
         log.info("discarded %d samples: %s", len(entry_ids), why)
 
@@ -262,7 +285,7 @@ class Aggregator:
     async def _duplicate(self, entry: Entry, ev: Sample, why: str) -> None:
         log.info("duplicate sample %s (%s) acknowledged", ev.sample_id, why)
         await self.b.incr("duplicate_samples", step=ev.step)
-        await self.b.ack(self.k.samples, GROUP, entry.id)
+        await self.b.ack(entry.stream, GROUP, entry.id)
 
     async def emit(self, step: int, gid: str, part: Partial, t: Target) -> None:
         plan = self.plans[step]
@@ -320,17 +343,21 @@ class Aggregator:
                 await self.b.incr("duplicate_groups", step=step)
 
     async def run(self, stop: asyncio.Event) -> int:
-        await self.b.ensure_group(self.k.samples, GROUP)
-        # Rebuild partial groups: everything pending, whoever held it (there is one aggregator per run).
-        pending = await self.b.autoclaim(self.k.samples, GROUP, self.consumer, min_idle_ms=0, count=1000)
+        await self.b.check_shards()
+        # Rebuild partial groups: everything pending on the streams served, whoever held it (there
+        # is one aggregator per shard).
+        pending: list[Entry] = []
+        for stream in self.streams:
+            await self.b.ensure_group(stream, GROUP)
+            pending += await self.b.autoclaim(stream, GROUP, self.consumer, min_idle_ms=0, count=1000)
         if pending:
             log.info("recovering %d pending samples", len(pending))
         for i in range(0, len(pending), 256):
             await self.on_batch(pending[i : i + 256])
         last_sweep = time.monotonic()
         while not stop.is_set():
-            entries = await self.b.read(
-                self.k.samples, GROUP, self.consumer, count=256, block_ms=self.cfg.redis.block_ms
+            entries = await self.b.read_streams(
+                self.streams, GROUP, self.consumer, count=256, block_ms=self.cfg.redis.block_ms
             )
             if not entries and time.monotonic() - last_sweep > PENDING_SWEEP_S:
                 # Samples delivered to us whose reply was lost (a dropped connection, a Redis
@@ -338,22 +365,31 @@ class Aggregator:
                 # partial group are left out: one of them, taken after a group it belongs to went
                 # out with it, would count as a duplicate.
                 last_sweep = time.monotonic()
-                held = {eid for part in self.partial.values() for _, eid in part.samples.values()}
-                mine = await self.b.read(
-                    self.k.samples, GROUP, self.consumer, count=1000, block_ms=1, start="0"
+                held = {
+                    (self.b.sample_stream(gid), eid)
+                    for gid, part in self.partial.items()
+                    for _, eid in part.samples.values()
+                }
+                mine = await self.b.read_streams(
+                    self.streams, GROUP, self.consumer, count=1000, block_ms=1, start="0"
                 )
-                entries = [e for e in mine if e.id not in held]
+                entries = [e for e in mine if (e.stream, e.id) not in held]
             await self.on_batch(entries)
             if not entries and await self.b.is_done():
                 break
         return 0
 
 
-async def run_aggregator(cfg: Config, url: str, run: str, stop: asyncio.Event) -> int:
+async def run_aggregator(
+    cfg: Config, url: str, run: str, stop: asyncio.Event, shard: int | None = None
+) -> int:
+    """One aggregator: of shard ``shard`` of the samples streams, or of every shard (None)."""
     metrics.serve(cfg.metrics.port, cfg.metrics.host, "aggregator")
     r = connect(url)
     try:
-        broker = Broker(r, run, "aggregator", maxlen=cfg.redis.maxlen)
-        return await Aggregator(cfg, broker, f"aggregator-{os.getpid()}").run(stop)
+        broker = Broker(r, run, "aggregator", maxlen=cfg.redis.maxlen, sample_shards=cfg.redis.sample_shards)
+        shards = None if shard is None else [shard]
+        name = f"aggregator-{os.getpid()}" if shard is None else f"aggregator-s{shard}-{os.getpid()}"
+        return await Aggregator(cfg, broker, name, shards).run(stop)
     finally:
         await close_client(r)

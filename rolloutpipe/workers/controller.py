@@ -78,6 +78,7 @@ class Controller:
 
     async def run(self, stop: asyncio.Event) -> int:
         self.stop = stop
+        await self.b.check_shards()
         await self.b.ensure_group(self.b.keys.feedback, Groups.CONTROLLER)
         audit = asyncio.create_task(self.audit_control(stop))
         trim = asyncio.create_task(self.trim_loop(stop))
@@ -134,6 +135,7 @@ class Controller:
                         max(0, v),
                         keep_steps=rc.keep_steps,
                         control_maxlen=rc.control_maxlen,
+                        sample_shards=self.b.shards,
                     )
                     last_v, last_t = v, time.monotonic()
             except NoPermissionError as e:  # an ACL user without XTRIM/XINFO/XPENDING/DEL (compose)
@@ -509,6 +511,7 @@ async def run_controller(cfg: Config, url: str, run: str, stop: asyncio.Event) -
     metrics.serve(cfg.metrics.port, cfg.metrics.host, "controller")
     r = connect(url)
     try:
-        return await Controller(cfg, Broker(r, run, "controller", maxlen=cfg.redis.maxlen)).run(stop)
+        b = Broker(r, run, "controller", maxlen=cfg.redis.maxlen, sample_shards=cfg.redis.sample_shards)
+        return await Controller(cfg, b).run(stop)
     finally:
         await close_client(r)

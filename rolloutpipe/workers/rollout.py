@@ -259,6 +259,7 @@ class RolloutWorker:
 
     async def run(self, stop: asyncio.Event) -> int:
         rc = self.cfg.rollout
+        await self.b.check_shards()
         await self.b.ensure_group(self.k.requests, GROUP)
         await self.engine.start()
         hb = asyncio.create_task(self.heartbeat(stop))
@@ -319,7 +320,7 @@ async def run_rollout(cfg: Config, url: str, run: str, stop: asyncio.Event, work
     metrics.serve(cfg.metrics.port, cfg.metrics.host, "rollout")
     r = connect(url)
     try:
-        broker = Broker(r, run, "rollout", maxlen=cfg.redis.maxlen)
+        broker = Broker(r, run, "rollout", maxlen=cfg.redis.maxlen, sample_shards=cfg.redis.sample_shards)
         worker = RolloutWorker(cfg, broker, make_engine(cfg), worker_id or default_worker_id())
         return await worker.run(stop)
     finally:
