@@ -22,6 +22,7 @@ namespace of its own on one private Redis, repeated ``repeats`` times.  Figures,
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -53,7 +54,7 @@ SAMPLE_S = 0.2  # how often Redis INFO and the roles' CPU clocks are read
 ROLES = ("controller", "rollout", "aggregator", "trainer")
 SETTINGS = ("workers", "response_tokens", "prompt_tokens", "offered_samples_per_s", "slots",
             "repeats", "steps", "prompts_per_step", "group_size", "minibatches", "ceiling_s",
-            "ceiling_pipeline")  # fmt: skip
+            "ceiling_pipeline", "aggregators", "drain_groups")  # fmt: skip
 WAITERS = ("redis", "aggregator", "trainer", "rollout")  # processes whose run-queue wait is summed
 
 
@@ -76,12 +77,14 @@ def load_spec(name: str, quick: bool = False) -> dict[str, Any]:
     quick_over = spec.pop("quick", {}) or {}
     if quick:
         spec.update(quick_over)
-    missing = [k for k in SETTINGS if k not in spec]
+    missing = [k for k in SETTINGS if k not in spec and k not in ("aggregators", "drain_groups")]
     unknown = [k for k in spec if k not in (*SETTINGS, "base")]
     if missing or unknown:
         raise ConfigError(f"{path}: missing settings {missing}, unknown settings {unknown}")
     spec["base"] = str((path.parent / spec.get("base", "../bench-quick.yaml")).resolve())
-    for k in ("workers", "response_tokens"):
+    spec.setdefault("aggregators", [1])  # suites written before aggregator shards
+    spec.setdefault("drain_groups", 256)  # the one-aggregator measurement: groups put on samples first
+    for k in ("workers", "response_tokens", "aggregators"):
         if not spec[k] or any(int(x) < 1 for x in spec[k]):
             raise ConfigError(f"{path}: {k} must be a non-empty list of positive integers")
     if any(x is not None and float(x) <= 0 for x in spec["offered_samples_per_s"]):
@@ -97,17 +100,20 @@ class Row:
     tokens: int
     offered: float | None  # samples/s over all workers; None: the instant engine
     repeat: int
+    aggregators: int = 1  # redis.sample_shards: one aggregator process a samples stream
 
     @property
     def name(self) -> str:
         load = "max" if self.offered is None else f"{self.offered:g}"
-        return f"broker-w{self.workers}-t{self.tokens}-o{load}-r{self.repeat}"
+        aggs = f"-a{self.aggregators}" if self.aggregators > 1 else ""
+        return f"broker-w{self.workers}-t{self.tokens}-o{load}{aggs}-r{self.repeat}"
 
 
 def rows_of(spec: dict[str, Any]) -> list[Row]:
-    return [Row(int(w), int(t), None if o is None else float(o), r)
+    return [Row(int(w), int(t), None if o is None else float(o), r, int(a))
             for t in spec["response_tokens"] for o in spec["offered_samples_per_s"]
-            for w in spec["workers"] for r in range(int(spec["repeats"]))]  # fmt: skip
+            for a in spec["aggregators"] for w in spec["workers"]
+            for r in range(int(spec["repeats"]))]  # fmt: skip
 
 
 def row_overrides(spec: dict[str, Any], row: Row, out: Path) -> list[str]:
@@ -128,6 +134,7 @@ def row_overrides(spec: dict[str, Any], row: Row, out: Path) -> list[str]:
         f"controller.minibatches={spec['minibatches']}",
         "rollout.engine=emulated",
         f"rollout.workers={row.workers}",
+        f"redis.sample_shards={row.aggregators}",
         f"rollout.emulated.max_num_seqs={slots}",
         f"rollout.emulated.prompt_tokens={spec['prompt_tokens']}",
         f"rollout.emulated.length_median={row.tokens}",
@@ -235,6 +242,65 @@ def ceiling_redis_benchmark(url: str, size: int, seconds: float, pipeline: int) 
     return rate
 
 
+# ------------------------------------------------------------------------------------ one aggregator
+
+
+def aggregator_capacity(
+    url: str, tokens: int, prompt_tokens: int, group_size: int, groups: int
+) -> dict[str, float]:
+    """What one aggregator process can take: ``groups`` complete groups of real samples are put on
+    ``samples`` first, then an in-process ``Aggregator`` drains them (reads, decodes, emits groups
+    with the emit script) as fast as it can.  Samples per second of its wall clock and per second
+    of its CPU: the second is the one to size from (one aggregator on a core of its own)."""
+    return asyncio.run(_drain(url, tokens, prompt_tokens, group_size, groups))
+
+
+async def _drain(url: str, tokens: int, prompt_tokens: int, group_size: int, groups: int) -> dict[str, float]:
+    from rolloutpipe.broker.events import GroupPlan, PolicyVersion, StepPlan
+    from rolloutpipe.broker.streams import DATA, Broker, connect
+    from rolloutpipe.workers.aggregator import Aggregator
+
+    run = f"broker-drain-{uuid.uuid4().hex[:8]}"
+    r = connect(url)
+    try:
+        b = Broker(r, run, "aggregator", maxlen=10 * groups * group_size)
+        k = b.keys
+        gps = [GroupPlan(group_id=f"0:{g}", prompt_index=g, n=group_size) for g in range(groups)]
+        plan = StepPlan(run=run, step=0, policy_version=0, policy="fifo", groups=gps, minibatches=1,
+                        groups_per_minibatch=groups, created_at=time.time())  # fmt: skip
+        await b.write_plan(plan)
+        pv = PolicyVersion(run=run, step=0, policy_version=0, path="", sha256={}, published_at=time.time())
+        await b.publish_version(pv, None)
+        await b.ensure_group(k.samples, Groups.AGGREGATOR)
+        rng = np.random.default_rng(0)
+        for i in range(group_size):  # interleaved across groups, as many workers publish them
+            pipe = r.pipeline(transaction=False)
+            for g in range(groups):
+                s = Sample(
+                    run=run, step=0, policy_version=0, sample_id=f"{g}:{i}", request_id=f"{g}:{i}",
+                    group_id=f"0:{g}", prompt_index=g, sample_index=i, worker="w0",
+                    prompt_ids=np.zeros(prompt_tokens, np.int32),
+                    response_ids=rng.integers(3, 18, size=tokens, dtype=np.int32),
+                    logprobs=np.log(rng.uniform(0.2, 1.0, size=tokens)).astype(np.float32),
+                    reward=float(rng.random() < 0.5), admitted_at=1.0, finished_at=2.0,
+                )  # fmt: skip
+                pipe.xadd(k.samples, {DATA: DEFAULT_CODEC.encode(s)})
+            await pipe.execute()
+        cfg = load_config(CONFIGS / "bench-quick.yaml", [f"run={run}", "out=/nonexistent"], environ={})
+        agg = Aggregator(cfg, b, "drain-0")
+        t0, c0 = time.perf_counter(), time.process_time()
+        while agg.groups_emitted < groups:
+            await agg.on_batch(await b.read(k.samples, Groups.AGGREGATOR, "drain-0", count=256, block_ms=10))
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        n = groups * group_size
+        return {"aggregator_samples_per_s": n / wall, "aggregator_samples_per_cpu_s": n / max(cpu, 1e-9)}
+    finally:
+        keys = [x async for x in r.scan_iter(match=f"rp:{{{run}}}:*", count=1000)]
+        if keys:
+            await r.unlink(*keys)
+        await r.aclose()
+
+
 # ------------------------------------------------------------------------------------ sampling
 
 
@@ -279,13 +345,14 @@ def _cpu_s(pid: int) -> tuple[float, float] | None:
 class Sampler(threading.Thread):
     """Reads Redis ``INFO`` and every role's CPU clock every ``SAMPLE_S`` while a row runs."""
 
-    def __init__(self, url: str, redis_pid: int | None = None, run: str = "") -> None:
+    def __init__(self, url: str, redis_pid: int | None = None, run: str = "", aggregators: int = 1) -> None:
         super().__init__(daemon=True)
         self.r = redis.Redis.from_url(url)
         self.redis_pid = redis_pid
         # the queues in front of the aggregator and the trainer: entries not yet delivered to them
         k = Keys(run)
-        self.queues = {"aggregator": (k.samples, Groups.AGGREGATOR), "trainer": (k.groups, Groups.TRAINER)}
+        shards = k.sample_streams(aggregators)
+        self.queues = {"aggregator": (shards, Groups.AGGREGATOR), "trainer": ([k.groups], Groups.TRAINER)}
         self.snaps: list[dict[str, Any]] = []
         self._halt = threading.Event()
         self.has_proc = Path("/proc/self/stat").exists()
@@ -302,7 +369,10 @@ class Sampler(threading.Thread):
                     c = _cpu_s(pid)
                     if c is not None:
                         roles[f"{role}:{pid}"] = c
-                backlog = {role: self._lag(*q) for role, q in self.queues.items()}
+                backlog = {
+                    role: sum(self._lag(st, g) for st in streams)
+                    for role, (streams, g) in self.queues.items()
+                }
                 self.snaps.append({
                     "backlog": backlog,
                     "t": time.time(),
@@ -360,8 +430,8 @@ class Sampler(threading.Thread):
             if role != "redis":  # Redis's CPU comes from INFO (every thread), its wait from here
                 out[f"{role}_cpu"] = sum(r1[k][0] - r0[k][0] for k in keys) / dt
             out[f"{role}_runq_wait"] = sum(r1[k][1] - r0[k][1] for k in keys) / dt
-            if role == "rollout":
-                out["rollout_cpu_max_one"] = max(r1[k][0] - r0[k][0] for k in keys) / dt
+            if role in ("rollout", "aggregator"):  # the busiest one process (one thread each)
+                out[f"{role}_cpu_max_one"] = max(r1[k][0] - r0[k][0] for k in keys) / dt
         return out
 
 
@@ -375,7 +445,7 @@ def run_row(
     run_out = Path(cfg.out)
     load0 = os.getloadavg()[0]
     calls0 = _command_calls(url)
-    sampler = Sampler(url, redis_pid, cfg.run)
+    sampler = Sampler(url, redis_pid, cfg.run, row.aggregators)
     sampler.start()
     try:
         ms = sorted(run_cluster(cfg, url, run_out, progress=False, timeout_s=900), key=lambda m: m.step)
@@ -396,6 +466,7 @@ def run_row(
     res: dict[str, Any] = {
         "name": row.name,
         "workers": row.workers,
+        "aggregators": row.aggregators,
         "response_tokens": row.tokens,
         "offered_samples_per_s": row.offered,
         "repeat": row.repeat,
@@ -450,20 +521,22 @@ STATS = ("samples_per_s", "dispatch_p50_s", "dispatch_p99_s", "redis_cpu", "aggr
          "trainer_cpu", "rollout_cpu", "controller_cpu", "redis_runq_wait", "aggregator_runq_wait",
          "trainer_runq_wait", "rollout_runq_wait", "redis_used_memory_max_bytes",
          "redis_net_in_bytes_per_sample", "redis_net_out_bytes_per_sample",
-         "redis_calls_per_sample_total", "aggregator_backlog_mean", "trainer_backlog_mean")  # fmt: skip
+         "redis_calls_per_sample_total", "aggregator_backlog_mean", "trainer_backlog_mean",
+         "aggregator_cpu_max_one")  # fmt: skip
 
 
 def summarise(
     runs: list[dict[str, Any]], payload: dict[int, int], ceiling: dict[int, float]
 ) -> list[dict[str, Any]]:
-    """One row per (workers, tokens, offered): the median over repeats, and the min and max."""
-    keyed: dict[tuple[int, int, float | None], list[dict[str, Any]]] = {}
+    """One row per (workers, tokens, offered, aggregators): the median over repeats, the min and max."""
+    keyed: dict[tuple[int, int, float | None, int], list[dict[str, Any]]] = {}
     for r in runs:
-        keyed.setdefault((r["workers"], r["response_tokens"], r["offered_samples_per_s"]), []).append(r)
+        key = (r["workers"], r["response_tokens"], r["offered_samples_per_s"], r.get("aggregators", 1))
+        keyed.setdefault(key, []).append(r)
     rows = []
-    for (w, t, o), rs in keyed.items():
-        row: dict[str, Any] = {"workers": w, "response_tokens": t, "payload_bytes": payload[t],
-                               "offered_samples_per_s": o, "repeats": len(rs),
+    for (w, t, o, a), rs in keyed.items():
+        row: dict[str, Any] = {"workers": w, "aggregators": a, "response_tokens": t,
+                               "payload_bytes": payload[t], "offered_samples_per_s": o, "repeats": len(rs),
                                "group_size": rs[0]["group_size"]}  # fmt: skip
         for k in STATS:
             xs = [r[k] for r in rs if k in r]
@@ -482,6 +555,7 @@ def saturation(row: dict[str, Any]) -> str:
     round trips or by waiting for a CPU: then entries queue in front of it (a group's worth or more
     on average), and the stage with the longer queue is the one that fell behind."""
     single = {k: row.get(f"{k}_cpu", 0.0) for k in ("redis", "aggregator", "trainer", "controller")}
+    single["aggregator"] = row.get("aggregator_cpu_max_one", single["aggregator"])  # of several: the busiest
     busiest = max(single, key=lambda k: single[k])
     if single[busiest] >= 0.85:
         return f"{busiest} (CPU: {single[busiest]:.2f} core)"
@@ -503,14 +577,16 @@ def table(doc: dict[str, Any]) -> str:
             f"redis-py pipelined XADD {c['redis_py_samples_per_s']:,.0f} samples/s"
             + (f", redis-benchmark {rb:,.0f}/s" if rb else ", redis-benchmark not on PATH")
             + f"; the path moves {c['wire_bytes_per_sample'] / c['payload_bytes']:.1f}x a sample's bytes"
-            f" through Redis (sample in + out, group in + out)"
+            f" through Redis (sample in + out, group in + out); one aggregator alone drains"
+            f" {c['aggregator_samples_per_s']:,.0f} samples/s ({c['aggregator_samples_per_cpu_s']:,.0f}"
+            " per second of its CPU)"
         )
     lines += [
         "",
-        "| workers | payload KiB | offered /s | samples/s median [min-max] | of ceiling | "
+        "| workers | aggregators | payload KiB | offered /s | samples/s median [min-max] | of ceiling | "
         "dispatch p50 / p99 ms | Redis CPU | aggregator CPU | trainer CPU | workers CPU | "
         "Redis mem MiB | run-queue wait s/s | queued for aggregator / trainer | saturated first |",
-        "|" + "---|" * 14,
+        "|" + "---|" * 15,
     ]
 
     def rng(r: dict[str, Any], k: str, f: str = ",.0f", scale: float = 1.0) -> str:
@@ -520,7 +596,8 @@ def table(doc: dict[str, Any]) -> str:
     for r in doc["rows"]:
         off = "max" if r["offered_samples_per_s"] is None else f"{r['offered_samples_per_s']:,.0f}"
         lines.append(
-            f"| {r['workers']} | {r['payload_bytes'] / 1024:.1f} | {off} | {rng(r, 'samples_per_s')} | "
+            f"| {r['workers']} | {r.get('aggregators', 1)} | {r['payload_bytes'] / 1024:.1f} | {off} | "
+            f"{rng(r, 'samples_per_s')} | "
             f"{r['ratio_to_ceiling']:.1%} | {r['dispatch_p50_s'] * 1e3:.1f} / "
             f"{rng(r, 'dispatch_p99_s', '.1f', 1e3)} | {r.get('redis_cpu', 0):.2f} | "
             f"{r.get('aggregator_cpu', 0):.2f} | {r.get('trainer_cpu', 0):.2f} | "
@@ -543,12 +620,17 @@ def plot(doc: dict[str, Any], path: Path) -> Path | None:
         return None
     rows = doc["rows"]
     fig, ax = plt.subplots(2, 2, figsize=(11, 7.5))
-    series: dict[tuple[int, float | None], list[dict[str, Any]]] = {}
+    series: dict[tuple[int, float | None, int], list[dict[str, Any]]] = {}
     for r in rows:
-        series.setdefault((r["payload_bytes"], r["offered_samples_per_s"]), []).append(r)
-    for (pb, off), rs in sorted(series.items(), key=lambda x: (x[0][0], x[0][1] or float("inf"))):
+        series.setdefault(
+            (r["payload_bytes"], r["offered_samples_per_s"], r.get("aggregators", 1)), []
+        ).append(r)
+    for (pb, off, na), rs in sorted(
+        series.items(), key=lambda x: (x[0][0], x[0][1] or float("inf"), x[0][2])
+    ):
         rs = sorted(rs, key=lambda r: r["workers"])
         label = f"{pb / 1024:.0f} KiB, offered {'max' if off is None else f'{off:,.0f}/s'}"
+        label += f", {na} aggregators" if na > 1 else ""
         xs = [r["workers"] for r in rs]
         ax[0][0].errorbar(xs, [r["samples_per_s"] for r in rs], marker="o", capsize=3, label=label,
                           yerr=_err(rs, "samples_per_s"))  # fmt: skip
@@ -567,13 +649,13 @@ def plot(doc: dict[str, Any], path: Path) -> Path | None:
     ax[0][1].axhline(10, ls=":", color="red", label="target p99 10 ms")
     ax[0][0].legend(fontsize="x-small")
     paced = [r for r in rows if r["offered_samples_per_s"] is not None]
-    by_wp: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    by_wp: dict[tuple[int, int, int], list[dict[str, Any]]] = {}
     for r in paced:
-        by_wp.setdefault((r["workers"], r["payload_bytes"]), []).append(r)
-    for (w, pb), rs in sorted(by_wp.items()):
+        by_wp.setdefault((r["workers"], r["payload_bytes"], r.get("aggregators", 1)), []).append(r)
+    for (w, pb, na), rs in sorted(by_wp.items()):
         rs = sorted(rs, key=lambda r: r["offered_samples_per_s"])
         xs = [r["offered_samples_per_s"] for r in rs]
-        label = f"{w} workers, {pb / 1024:.0f} KiB"
+        label = f"{w} workers, {pb / 1024:.0f} KiB" + (f", {na} aggregators" if na > 1 else "")
         ax[1][0].plot(xs, [r["samples_per_s"] for r in rs], marker="o", label=label)
         ax[1][1].plot(xs, [r["dispatch_p99_s"] * 1e3 for r in rs], marker="o", label=label)
     if paced:
@@ -645,6 +727,8 @@ def run_broker(
             c["redis_benchmark_samples_per_s"] = ceiling_redis_benchmark(
                 url, len(payload), spec["ceiling_s"], spec["ceiling_pipeline"]
             )
+            c.update(aggregator_capacity(url, int(t), int(spec["prompt_tokens"]), int(spec["group_size"]),
+                                         int(spec["drain_groups"])))  # fmt: skip
             ceilings.append(c)
             if bar is not None:
                 bar.update(1)

@@ -43,7 +43,11 @@ def test_broker_bench_quick(tmp_path: Path, redis_server: EmbeddedRedis) -> None
     assert doc["ceiling_samples_per_s"] == {str(ceiling["payload_bytes"]): ceiling["redis_py_samples_per_s"]}
     # a sample carries 4 bytes a response token twice (ids, logprobs) and 4 a prompt token
     assert ceiling["payload_bytes"] > 8 * 1024 + 4 * spec["prompt_tokens"]
-    assert [r["workers"] for r in doc["rows"]] == spec["workers"]
+    want = [(a, w) for a in spec["aggregators"] for w in spec["workers"]]
+    assert [(r["aggregators"], r["workers"]) for r in doc["rows"]] == want
+    assert 2 in spec["aggregators"]  # the quick run goes through the sharded path too
+    # one aggregator alone, on this server: it drained every group it was given
+    assert ceiling["aggregator_samples_per_s"] > 0
     for row in doc["rows"]:
         for k in ROW_KEYS:
             assert k in row, k
@@ -53,7 +57,7 @@ def test_broker_bench_quick(tmp_path: Path, redis_server: EmbeddedRedis) -> None
         assert 0 <= row["dispatch_p50_s"] <= row["dispatch_p99_s"]
         assert math.isfinite(row["ratio_to_ceiling"]) and row["ratio_to_ceiling"] > 0
         assert row["ratio_to_ceiling"] == pytest.approx(row["samples_per_s"] / row["ceiling_samples_per_s"])
-        assert f"| {row['workers']} |" in text
+        assert f"| {row['workers']} | {row['aggregators']} |" in text
     for run in doc["runs"]:
         ms = [json.loads(x) for x in (tmp_path / run["name"] / "metrics.jsonl").read_text().splitlines()]
         assert [m["step"] for m in ms] == list(range(spec["steps"]))
