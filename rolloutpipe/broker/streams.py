@@ -19,14 +19,25 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.cluster import RedisCluster as SyncRedisCluster
+from redis.crc import key_slot
+from redis.exceptions import (
+    AuthenticationError,
+    AuthorizationError,
+    ClusterDownError,
+    RedisClusterException,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry as SyncRetry
 
@@ -45,7 +56,7 @@ from rolloutpipe.broker.events import (
     StepPlan,
     StepSeal,
 )
-from rolloutpipe.errors import CodecError
+from rolloutpipe.errors import CodecError, CrossSlotError
 
 log = logging.getLogger("rolloutpipe.broker")
 
@@ -142,10 +153,23 @@ class Once:
 
     async def execute(self) -> str:
         """'0' if a guard found the write applied by another call; else '1' or the 'r' command's reply."""
+        one_slot(self.b.keys, [self.record, *self.keys])
         if self.b._once is None:
             self.b._once = self.b.r.register_script(ONCE_LUA)
         out = await self.b._once(keys=[self.record, *self.keys], args=[self.token, self.ttl, *self.args])
         return _s(out)
+
+
+def one_slot(keys: Keys, names: Sequence[str]) -> None:
+    """Raise ``CrossSlotError`` unless every key is the run's (``rp:{run}:…``, so in its one slot).
+
+    A script or MULTI runs on one Redis Cluster node, so all its keys must hash to one slot; the
+    run's hash tag puts every key of ``Keys`` there.  ``tests/test_cluster.py`` checks the slot of
+    every key each Broker write touches.
+    """
+    bad = [n for n in names if not n.startswith(keys.prefix)]
+    if bad:
+        raise CrossSlotError(f"keys outside run {keys.run!r} (slot {keys.slot}) in one write: {bad[:5]}")
 
 
 def lag_of(groups_info: Any, group: str) -> int | None:
@@ -164,9 +188,12 @@ class Keys:
     """Names of every stream and key of one run."""
 
     def __init__(self, run: str) -> None:
+        if not run:  # ``rp:{}:`` is no hash tag: Redis Cluster would spread the run over every slot
+            raise ValueError("a run needs a non-empty name")
         self.run = run
         p = f"rp:{{{run}}}:"  # the braces are a Redis Cluster hash tag: one slot per run
         self.prefix = p
+        self.slot = key_slot(p.encode())  # every key of the run hashes here (``{run}``)
         self.requests = p + "requests"
         self.samples = p + "samples"
         self.groups = p + "groups"
@@ -178,6 +205,7 @@ class Keys:
         self.stats = p + "stats"
         self.done = p + "done"
         self.prompt_history = p + "prompt_history"  # prompt index -> recent PromptRecords (JSON)
+        self.workers = p + "workers"  # rollout worker ids, scored by their heartbeat's expiry time
 
     def plan(self, step: int) -> str:
         return f"{self.prefix}plan:{step}"
@@ -232,6 +260,9 @@ class Keys:
     def heartbeat_pattern(self) -> str:
         return f"{self.prefix}worker:*"
 
+    def worker_id(self, heartbeat_key: str | bytes) -> str:
+        return _s(heartbeat_key).removeprefix(f"{self.prefix}worker:")
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -244,6 +275,85 @@ class Entry:
         return self.fields.get(DATA, b"")
 
 
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}  # -> the node URL's scheme
+# What a cluster client waits out with backoff, as ``connect`` does for one server: a node down or
+# restarting, and a failover (the slot uncovered, CLUSTERDOWN/TRYAGAIN until a replica takes over).
+_CLUSTER_RETRY = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ClusterDownError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
+
+
+def cluster_node_url(url: str) -> str | None:
+    """``redis://…`` for a ``redis+cluster://…`` URL (``rediss://…`` for ``rediss+cluster://…``),
+    None for any other URL (one server)."""
+    scheme, sep, rest = url.partition("://")
+    base = CLUSTER_SCHEMES.get(scheme.lower())
+    return f"{base}://{rest}" if sep and base else None
+
+
+def is_cluster(r: Any) -> bool:
+    """Whether ``r`` is a Redis Cluster client (``connect``/``connect_sync`` of a cluster URL)."""
+    return isinstance(r, AsyncRedisCluster | SyncRedisCluster)
+
+
+def _retry_cluster(e: Exception) -> bool:
+    if isinstance(e, AuthenticationError | AuthorizationError):
+        return False  # a wrong password does not get better by waiting
+    if isinstance(e, _CLUSTER_RETRY):
+        return True
+    if isinstance(e, RedisClusterException):  # no node reachable to read the slot map from
+        return isinstance(e.__cause__, RedisConnectionError | RedisTimeoutError)
+    # a blocked XREAD/XREADGROUP on a master that turned replica (a manual failover)
+    return isinstance(e, ResponseError) and str(e).startswith("UNBLOCKED")
+
+
+class _AsyncCluster(AsyncRedisCluster):
+    """redis-py's cluster client, with the retries of :func:`connect`.
+
+    Its own retry loop re-reads the slot map and resends at once, without backoff, so a failover
+    (a second or more) would use up every attempt within milliseconds.  Here each command is retried
+    with the same exponential backoff as one server's client, for about ``retry_s`` seconds; each
+    retry starts from a fresh slot map.  Retried commands are the same ones ``connect`` retries,
+    and a write resent after a lost reply is made harmless the same way (``ONCE_LUA``).
+    """
+
+    rp_retries = 0
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        backoff = ExponentialBackoff(cap=1.0, base=0.05)
+        for failures in range(self.rp_retries + 1):
+            try:
+                return await super().execute_command(*args, **kwargs)
+            except Exception as e:
+                if failures >= self.rp_retries or not _retry_cluster(e):
+                    raise
+                log.debug("%s on the cluster (%s); retrying", args[0], e)
+                await asyncio.sleep(backoff.compute(failures))
+        raise AssertionError("unreachable")
+
+
+class _SyncCluster(SyncRedisCluster):
+    """The blocking cluster client, with the retries of :func:`connect_sync` (see ``_AsyncCluster``)."""
+
+    rp_retries = 0
+
+    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        backoff = ExponentialBackoff(cap=1.0, base=0.05)
+        for failures in range(self.rp_retries + 1):
+            try:
+                return super().execute_command(*args, **kwargs)  # type: ignore[no-untyped-call]
+            except Exception as e:
+                if failures >= self.rp_retries or not _retry_cluster(e):
+                    raise
+                log.debug("%s on the cluster (%s); retrying", args[0], e)
+                time.sleep(backoff.compute(failures))
+        raise AssertionError("unreachable")
+
+
 def connect(url: str, max_connections: int = 32, *, retry_s: float = 30.0) -> aioredis.Redis:
     """A client whose pool waits for a free connection instead of failing under bursts.
 
@@ -252,7 +362,27 @@ def connect(url: str, max_connections: int = 32, *, retry_s: float = 30.0) -> ai
     fails with ``ConnectionError``/``TimeoutError`` (a Redis restart, ``LOADING`` while the AOF is
     replayed) is retried on a fresh connection with exponential backoff (50 ms doubling, at most
     1 s apart) for about ``retry_s`` seconds before the error reaches the role.
+
+    ``redis+cluster://host:port`` (``rediss+cluster://`` with TLS) is a Redis Cluster reached
+    through any of its nodes: redis-py's cluster client, with the same retries (a failover is
+    waited out) and at most ``max_connections`` connections a node (a command that finds them all
+    busy waits, with the same backoff).  It is typed as ``Redis``: the roles use only commands
+    the two clients share, on keys of one run (one slot; see docs/operations.md).
     """
+    node_url = cluster_node_url(url)
+    if node_url is not None:
+        rc = cast(
+            _AsyncCluster,
+            _AsyncCluster.from_url(
+                node_url,
+                max_connections=max_connections,
+                socket_timeout=None,  # as one server's client: a blocking XREAD is never cut short
+                health_check_interval=30,
+                retry=Retry(NoBackoff(), retries=0),  # _AsyncCluster retries, with backoff
+            ),
+        )
+        rc.rp_retries = retries_for(retry_s)
+        return cast(aioredis.Redis, rc)
     pool = aioredis.BlockingConnectionPool.from_url(
         url,
         max_connections=max_connections,
@@ -265,12 +395,20 @@ def connect(url: str, max_connections: int = 32, *, retry_s: float = 30.0) -> ai
     return aioredis.Redis.from_pool(pool)  # the pool's decode_responses defaults to False
 
 
-def connect_sync(url: str, *, retry_s: float = 30.0) -> redis.Redis:
-    """A blocking client with the same retries as :func:`connect` (``rolloutpipe run``'s follower)."""
+def connect_sync(url: str, *, retry_s: float = 30.0, **kwargs: Any) -> redis.Redis:
+    """A blocking client with the same retries as :func:`connect` (``rolloutpipe run``'s follower),
+    for one server or (``redis+cluster://``) a cluster; ``kwargs`` go to redis-py's client."""
+    node_url = cluster_node_url(url)
+    if node_url is not None:
+        src = _SyncCluster.from_url(node_url, retry=SyncRetry(NoBackoff(), retries=0), **kwargs)
+        src = cast(_SyncCluster, src)
+        src.rp_retries = retries_for(retry_s)
+        return cast(redis.Redis, src)
     return redis.Redis.from_url(
         url,
         retry=SyncRetry(ExponentialBackoff(cap=1.0, base=0.05), retries=retries_for(retry_s)),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        **kwargs,
     )
 
 
@@ -619,13 +757,15 @@ class Broker:
         return {_s(m) for m in await self.r.smembers(self.keys.consumed(step))}
 
     async def commit_consumed(self, step: int, group_ids: Sequence[str], entry_ids: Sequence[str]) -> None:
-        """The step's groups recorded as consumed and their entries acknowledged, together."""
-        pipe = self.r.pipeline(transaction=True)
-        if group_ids:
-            pipe.sadd(self.keys.consumed(step), *group_ids)
-        if entry_ids:
-            pipe.xack(self.keys.groups, Groups.TRAINER, *entry_ids)
-        await pipe.execute()
+        """The step's groups recorded as consumed and their entries acknowledged, together.
+
+        One ``ONCE_LUA`` run (one slot, so it runs on a cluster too, where redis-py's client would
+        need a transaction of its own); both commands are idempotent, so a resend is harmless anyway.
+        """
+        if not group_ids and not entry_ids:
+            return
+        op = self.once(step).sadd(self.keys.consumed(step), list(group_ids))
+        await op.xack(self.keys.groups, Groups.TRAINER, list(entry_ids)).execute()
 
     async def trainer_lag(self) -> int:
         """Groups in ``groups`` the trainer has not acknowledged: undelivered (lag) + pending."""
@@ -644,19 +784,27 @@ class Broker:
         return lag
 
     async def heartbeat(self, worker: str, info: dict[str, Any], ttl_s: int) -> None:
+        """The worker's TTL key, and its id in the run's ``workers`` registry (no SCAN finds it).
+
+        The key's TTL (the server's clock) says whether the worker lives; the registry only lists
+        ids to look at, scored by this host's idea of the expiry time so that ids of workers dead
+        long ago (``REGISTRY_GRACE_S``, far beyond any clock skew) are dropped from it.
+        """
+        now = time.time()
+        await self.r.zadd(self.keys.workers, {worker: now + ttl_s})
         await self.r.set(self.keys.heartbeat(worker), json.dumps(info).encode(), ex=ttl_s)
+        await self.r.zremrangebyscore(self.keys.workers, "-inf", now - REGISTRY_GRACE_S)
 
     async def drop_heartbeat(self, worker: str) -> None:
         await self.r.delete(self.keys.heartbeat(worker))
+        await self.r.zrem(self.keys.workers, worker)
 
     async def live_workers(self) -> list[dict[str, Any]]:
         """The heartbeat records of live workers (their keys expire with the worker)."""
         out = []
-        async for key in self.r.scan_iter(match=self.keys.heartbeat_pattern(), count=100):
-            raw = await self.r.get(key)
-            if raw:
-                with contextlib.suppress(ValueError):
-                    out.append(json.loads(raw))
+        for _wid, raw in await live_heartbeats(self.r, self.keys):
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(raw))
         return out
 
     async def capacity(self) -> int:
@@ -684,6 +832,54 @@ class Broker:
             await self.r.hset(
                 self.keys.prompt_history, mapping={str(k): json.dumps(v) for k, v in records.items()}
             )
+
+
+REGISTRY_GRACE_S = 300.0  # a registered worker whose heartbeat expired this long ago is unlisted
+
+
+async def live_heartbeats(r: aioredis.Redis, keys: Keys) -> list[tuple[str, bytes]]:
+    """``(worker id, heartbeat record)`` of each live worker: the ids in ``workers`` scored within
+    ``REGISTRY_GRACE_S`` of now, and one MGET of their keys (all in the run's slot)."""
+    ids = [_s(w) for w in await r.zrangebyscore(keys.workers, time.time() - REGISTRY_GRACE_S, "+inf")]
+    if not ids:
+        return []
+    raws = await r.mget([keys.heartbeat(w) for w in ids])
+    return [(w, _b(raw)) for w, raw in zip(ids, raws, strict=True) if raw]
+
+
+def live_heartbeats_sync(r: redis.Redis, keys: Keys) -> list[tuple[str, bytes, int]]:
+    """``live_heartbeats`` for a blocking client, with each key's TTL (seconds) as well."""
+    ids = [_s(w) for w in r.zrangebyscore(keys.workers, time.time() - REGISTRY_GRACE_S, "+inf")]
+    out: list[tuple[str, bytes, int]] = []
+    if not ids:
+        return out
+    raws: Any = r.mget([keys.heartbeat(w) for w in ids])
+    for w, raw in zip(ids, raws, strict=True):
+        if raw:
+            ttl = int(r.ttl(keys.heartbeat(w)))
+            if ttl != -2:  # expired since MGET
+                out.append((w, _b(raw), ttl))
+    return out
+
+
+def run_keys(r: redis.Redis, keys: Keys, match: str, count: int = 1000) -> list[str]:
+    """The names of the run's keys that match ``match`` (a glob under ``rp:{run}:``).
+
+    One server: SCAN.  A cluster: SCAN of the one master that owns the run's slot, never of every
+    node (a run's keys all live there).
+    """
+    if not match.startswith(keys.prefix):
+        raise CrossSlotError(f"{match!r} is not a pattern of run {keys.run!r}")
+    if is_cluster(r):
+        node = cast(SyncRedisCluster, r).get_node_from_key(keys.prefix)  # type: ignore[no-untyped-call]
+        found = r.scan_iter(match=match, count=count, target_nodes=node)
+    else:
+        found = r.scan_iter(match=match, count=count)
+    return [_s(k) for k in found]
+
+
+def _b(v: bytes | str) -> bytes:
+    return v if isinstance(v, bytes) else v.encode()
 
 
 def _s(v: Any) -> str:
