@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -27,7 +28,7 @@ from rolloutpipe.broker.streams import Broker, Keys, connect, connect_sync, is_c
 from rolloutpipe.broker.trim import trim_run
 from rolloutpipe.errors import CrossSlotError
 from tests.conftest import EMULATED_FAST, make_config
-from tests.helpers import audit_group_log
+from tests.helpers import audit_group_log, version
 from tests.rediscluster import LocalCluster, Node
 from tests.test_exactly_once import Driver, assert_exactly_once, start_cluster, stop_cluster
 from tests.test_lost_replies import WRITES
@@ -213,3 +214,63 @@ def test_two_runs_land_on_different_masters_and_both_complete(
     finally:
         for c in clusters:
             stop_cluster(c, csr)
+
+
+def _offsets(lc: LocalCluster, master: Node) -> dict[str, int]:
+    """The master's replication offset and each replica's (bytes of the replication stream)."""
+    out = {"master": int(lc._replication(master)["master_repl_offset"])}
+    for rep in lc.replicas_of(master):
+        out[f"replica {rep.port}"] = int(lc._replication(rep)["slave_repl_offset"])
+    return out
+
+
+@pytest.mark.slow
+def test_a_run_survives_the_sigkill_of_the_master_of_its_slot(
+    tmp_path: Path, redis_cluster: LocalCluster, csr: redis.Redis
+) -> None:
+    """SIGKILL the master serving the run's slot mid-step: its replica is promoted, every role's
+    client waits the failover out, and every planned group is still trained exactly once."""
+    lc, steps = redis_cluster, 6
+    run, owner = run_on(lc)
+    assert lc.replicas_of(owner), "the run's master has no replica"
+    slot = Keys(run).slot
+    cfg = make_config(
+        tmp_path, run, *OVERRIDES, f"controller.steps={steps}", "rollout.emulated.time_scale=0.05"
+    )
+    cluster = start_cluster(cfg, lc.url)
+    try:
+        d = Driver(cluster, csr)
+        d.until(lambda: version(csr, run) >= 2, 60, "version 2")
+        pause = time.monotonic() + 0.3
+        d.until(lambda: time.monotonic() >= pause, 5, "mid-step")
+        at_kill = version(csr, run)
+        offsets = _offsets(lc, owner)
+        t0 = time.monotonic()
+        lc.kill(owner)
+        while lc.slot_owner(slot).port == owner.port:
+            assert time.monotonic() - t0 < 30, "no replica took over the slot in 30 s"
+            time.sleep(0.02)
+        promoted_s = time.monotonic() - t0
+        d.until(lambda: version(csr, run) > at_kill, 60, "the next version after the failover")
+        next_version_s = time.monotonic() - t0
+        d.finish(120)
+        assert_exactly_once(csr, cfg, d.metrics)
+        _trained, counts = audit_group_log(
+            Path(cfg.out), steps, cfg.controller.prompts_per_step, cfg.controller.group_size
+        )
+        print(
+            "failover:",
+            json.dumps(
+                {
+                    "killed_in_step": at_kill,
+                    "replication_offsets_at_kill": offsets,
+                    "replica_promoted_s": round(promoted_s, 2),
+                    "next_version_s": round(next_version_s, 2),
+                    **counts,
+                }
+            ),
+        )
+    finally:
+        stop_cluster(cluster, csr)
+        lc.restart(owner)  # it rejoins as a replica of the promoted node: the cluster whole again
+        lc.wait_ok()
