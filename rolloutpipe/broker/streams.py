@@ -32,7 +32,9 @@ from redis.exceptions import (
     AuthenticationError,
     AuthorizationError,
     ClusterDownError,
+    MaxConnectionsError,
     RedisClusterException,
+    RedisError,
     ResponseError,
     SlotNotCoveredError,
     TryAgainError,
@@ -319,6 +321,12 @@ class _AsyncCluster(AsyncRedisCluster):
     with the same exponential backoff as one server's client, for about ``retry_s`` seconds; each
     retry starts from a fresh slot map.  Retried commands are the same ones ``connect`` retries,
     and a write resent after a lost reply is made harmless the same way (``ONCE_LUA``).
+
+    The fresh slot map is forced, and read before the retry: redis-py asks its "default node"
+    for the keys of some commands (``COMMAND GETKEYS`` for XREAD and XREADGROUP) before it looks
+    at its map, and re-reads the map only when the command's own node fails, so with the default
+    node dead every such command would fail until the retries ran out, even after a replica had
+    taken over (measured: the roles died).
     """
 
     rp_retries = 0
@@ -333,6 +341,10 @@ class _AsyncCluster(AsyncRedisCluster):
                     raise
                 log.debug("%s on the cluster (%s); retrying", args[0], e)
                 await asyncio.sleep(backoff.compute(failures))
+                if not isinstance(e, MaxConnectionsError):  # a node failed, not our pool: new map
+                    self._initialize = True
+                    with contextlib.suppress(RedisError, RedisClusterException):
+                        await self.initialize()  # (the next try may find the slot before it would)
         raise AssertionError("unreachable")
 
 
@@ -351,6 +363,9 @@ class _SyncCluster(SyncRedisCluster):
                     raise
                 log.debug("%s on the cluster (%s); retrying", args[0], e)
                 time.sleep(backoff.compute(failures))
+                if not isinstance(e, MaxConnectionsError):  # a node failed: a new map, default node
+                    with contextlib.suppress(RedisError, RedisClusterException):
+                        self.nodes_manager.initialize()
         raise AssertionError("unreachable")
 
 
