@@ -20,11 +20,20 @@ from typing import Any
 import pytest
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.connection import SSLConnection
 from redis.crc import key_slot
 from redis.exceptions import MovedError
 
 from rolloutpipe import ops
-from rolloutpipe.broker.streams import Broker, Keys, connect, connect_sync, is_cluster, one_slot
+from rolloutpipe.broker.streams import (
+    Broker,
+    Keys,
+    cluster_node_url,
+    connect,
+    connect_sync,
+    is_cluster,
+    one_slot,
+)
 from rolloutpipe.broker.trim import trim_run
 from rolloutpipe.errors import CrossSlotError
 from tests.conftest import EMULATED_FAST, make_config
@@ -68,6 +77,27 @@ def run_on(
         if (owner is on) if on is not None else owner.port not in avoid:
             return run, owner
     raise AssertionError("no run name found")
+
+
+# ------------------------------------------------------------------------------ URLs
+
+
+async def test_cluster_urls_choose_the_cluster_client_tls_included() -> None:
+    assert cluster_node_url("redis+cluster://h:7000/0") == "redis://h:7000/0"
+    assert cluster_node_url("rediss+cluster://u:p@h:7000/0?ssl_cert_reqs=none") == (
+        "rediss://u:p@h:7000/0?ssl_cert_reqs=none"
+    )
+    assert cluster_node_url("redis://h:6379/0") is None and cluster_node_url("rediss://h/0") is None
+    r: Any = connect("rediss+cluster://127.0.0.1:1/0?ssl_cert_reqs=none")  # no connection yet
+    try:
+        assert is_cluster(r)
+        assert r.nodes_manager.connection_kwargs["connection_class"] is SSLConnection
+        assert r.nodes_manager.connection_kwargs["ssl_cert_reqs"] == "none"
+    finally:
+        await r.aclose()
+    plain = connect("redis://127.0.0.1:1/0")
+    assert not is_cluster(plain)
+    await plain.aclose()
 
 
 # ------------------------------------------------------------------------------ one slot per write
