@@ -20,15 +20,18 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import PipelineCommand
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.cluster import RedisCluster as SyncRedisCluster
 from redis.crc import key_slot
 from redis.exceptions import (
+    AskError,
     AuthenticationError,
     AuthorizationError,
     ClusterDownError,
@@ -156,6 +159,17 @@ class Once:
     async def execute(self) -> str:
         """'0' if a guard found the write applied by another call; else '1' or the 'r' command's reply."""
         one_slot(self.b.keys, [self.record, *self.keys])
+        r: Any = self.b.r
+        if isinstance(r, _AsyncCluster) and r.rp_wait_replicas > 0:
+            out, acked = await r.eval_replicated(
+                ONCE_LUA, [self.record, *self.keys], [self.token, self.ttl, *self.args]
+            )
+            if acked < r.rp_wait_replicas:  # on the master only: a failover now could lose it
+                metrics.BROKER_EVENTS.labels(self.b.role, "unreplicated_writes").inc()
+                log.warning(
+                    "a write reached %d of %d replicas in %d ms", acked, r.rp_wait_replicas, r.rp_wait_ms
+                )
+            return _s(out)
         if self.b._once is None:
             self.b._once = self.b.r.register_script(ONCE_LUA)
         out = await self.b._once(keys=[self.record, *self.keys], args=[self.token, self.ttl, *self.args])
@@ -297,6 +311,18 @@ def cluster_node_url(url: str) -> str | None:
     return f"{base}://{rest}" if sep and base else None
 
 
+_WAIT_PARAMS = ("wait_replicas", "wait_timeout_ms")  # cluster URL options of RolloutPipe's own
+
+
+def _pop_query(url: str, names: tuple[str, ...]) -> tuple[str, dict[str, str]]:
+    """``url`` without the query parameters ``names`` (RolloutPipe's, not redis-py's), and them."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    ours = {k: v for k, v in query if k in names}
+    rest = urlencode([(k, v) for k, v in query if k not in names])
+    return urlunsplit(parts._replace(query=rest)), ours
+
+
 def is_cluster(r: Any) -> bool:
     """Whether ``r`` is a Redis Cluster client (``connect``/``connect_sync`` of a cluster URL)."""
     return isinstance(r, AsyncRedisCluster | SyncRedisCluster)
@@ -330,6 +356,39 @@ class _AsyncCluster(AsyncRedisCluster):
     """
 
     rp_retries = 0
+    rp_wait_replicas = 0  # ``?wait_replicas=N``: each ONCE_LUA write waits for N replicas
+    rp_wait_ms = 1000  # ``?wait_timeout_ms=T``: for at most T ms (then it goes on, warning)
+
+    async def eval_replicated(self, script: str, keys: list[str], args: list[Any]) -> tuple[Any, int]:
+        """``EVAL`` then ``WAIT rp_wait_replicas rp_wait_ms`` on one connection of the master of the
+        keys' slot (WAIT counts the replicas that have this connection's writes): the result and
+        how many replicas acknowledged it.  Retried like any command; a retry resends the same
+        script and token, so a write that died with its master is applied on the promoted
+        replica, and one the replica already has is not applied twice."""
+        backoff = ExponentialBackoff(cap=1.0, base=0.05)
+        for failures in range(self.rp_retries + 1):
+            try:
+                await self.initialize()
+                node = self.get_node_from_key(keys[0])
+                if node is None:
+                    raise SlotNotCoveredError(f"no master serves {keys[0]!r}")
+                cmds = [
+                    PipelineCommand(0, "EVAL", script, len(keys), *keys, *args),
+                    PipelineCommand(1, "WAIT", self.rp_wait_replicas, self.rp_wait_ms),
+                ]
+                await node.execute_pipeline(cmds)
+                for c in cmds:
+                    if isinstance(c.result, Exception):
+                        raise c.result
+                acked: Any = cmds[1].result
+                return cmds[0].result, int(acked)
+            except Exception as e:
+                if failures >= self.rp_retries or not (_retry_cluster(e) or isinstance(e, AskError)):
+                    raise  # (MovedError is an AskError: the slot has a new master)
+                log.debug("EVAL+WAIT on the cluster (%s); retrying", e)
+                await asyncio.sleep(backoff.compute(failures))
+                self._initialize = True
+        raise AssertionError("unreachable")
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         backoff = ExponentialBackoff(cap=1.0, base=0.05)
@@ -386,6 +445,7 @@ def connect(url: str, max_connections: int = 32, *, retry_s: float = 30.0) -> ai
     """
     node_url = cluster_node_url(url)
     if node_url is not None:
+        node_url, wait = _pop_query(node_url, _WAIT_PARAMS)
         rc = cast(
             _AsyncCluster,
             _AsyncCluster.from_url(
@@ -397,6 +457,8 @@ def connect(url: str, max_connections: int = 32, *, retry_s: float = 30.0) -> ai
             ),
         )
         rc.rp_retries = retries_for(retry_s)
+        rc.rp_wait_replicas = int(wait.get("wait_replicas", 0))
+        rc.rp_wait_ms = int(wait.get("wait_timeout_ms", rc.rp_wait_ms))
         return cast(aioredis.Redis, rc)
     pool = aioredis.BlockingConnectionPool.from_url(
         url,
@@ -415,6 +477,7 @@ def connect_sync(url: str, *, retry_s: float = 30.0, **kwargs: Any) -> redis.Red
     for one server or (``redis+cluster://``) a cluster; ``kwargs`` go to redis-py's client."""
     node_url = cluster_node_url(url)
     if node_url is not None:
+        node_url, _wait = _pop_query(node_url, _WAIT_PARAMS)  # (for the roles' writes only)
         src = _SyncCluster.from_url(node_url, retry=SyncRetry(NoBackoff(), retries=0), **kwargs)
         src = cast(_SyncCluster, src)
         src.rp_retries = retries_for(retry_s)
