@@ -64,7 +64,13 @@ class LocalCluster:
                 self.nodes.append(node)
                 self._spawn(node)
             for node in self.nodes:
-                self._wait(lambda n=node: ping(n.port), timeout, f"redis-server on {node.port}")
+                for _ in range(4):  # a port (or its bus port, + 10000) taken since it was picked
+                    if self._up(node, timeout):
+                        break
+                    node.port = self._free_port()
+                    self._spawn(node)
+                else:
+                    raise EmbeddedRedisError(f"cluster node did not start: {self._log(node)}")
                 node.id = str(node.client().execute_command("CLUSTER", "MYID"), "ascii")
             masters, replicas = self.nodes[: self.masters], self.nodes[self.masters :]
             per = SLOTS // self.masters
@@ -181,6 +187,20 @@ class LocalCluster:
                 node.proc.kill()
                 node.proc.wait()
 
+    def _up(self, node: Node, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if node.proc is None or node.proc.poll() is not None:
+                return False
+            if ping(node.port):
+                return True
+            time.sleep(0.02)
+        return False
+
+    def _log(self, node: Node) -> str:
+        log = node.dir / "redis.log"
+        return log.read_text(errors="replace")[-2000:] if log.exists() else ""
+
     def _known(self, node: Node) -> int:
         raw = node.client().execute_command("CLUSTER", "NODES")
         text = raw.decode() if isinstance(raw, bytes) else str(raw)
@@ -214,8 +234,7 @@ class LocalCluster:
                 pass
             for n in self.nodes:
                 if n.proc is not None and n.proc.poll() is not None and what.startswith("redis-server"):
-                    log = (n.dir / "redis.log").read_text(errors="replace")[-2000:] if n.dir.exists() else ""
-                    raise EmbeddedRedisError(f"cluster node on {n.port} exited: {log}")
+                    raise EmbeddedRedisError(f"cluster node on {n.port} exited: {self._log(n)}")
             if time.monotonic() > deadline:
                 raise EmbeddedRedisError(f"local cluster: timed out waiting for {what}")
             time.sleep(0.05)
