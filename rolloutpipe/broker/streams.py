@@ -45,6 +45,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry as SyncRetry
+from redis.typing import KeyT
 
 from rolloutpipe import metrics
 from rolloutpipe.broker.codec import DEFAULT_CODEC, MsgpackCodec
@@ -390,6 +391,17 @@ class _AsyncCluster(AsyncRedisCluster):
                 self._initialize = True
         raise AssertionError("unreachable")
 
+    async def _split_command_across_slots(self, command: str, *keys: KeyT) -> int:  # type: ignore[override]
+        """DEL, EXISTS, TOUCH, UNLINK: one command per slot through ``execute_command``, so retried.
+
+        redis-py sends them as a pipeline, which its retry count (0 here) does not retry: an
+        ``EXISTS done`` during a failover killed a role (measured).  A run's keys are one slot.
+        """
+        total = 0
+        for names in self._partition_keys_by_slot(keys).values():
+            total += int(await self.execute_command(command, *names))
+        return total
+
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         backoff = ExponentialBackoff(cap=1.0, base=0.05)
         for failures in range(self.rp_retries + 1):
@@ -411,6 +423,13 @@ class _SyncCluster(SyncRedisCluster):
     """The blocking cluster client, with the retries of :func:`connect_sync` (see ``_AsyncCluster``)."""
 
     rp_retries = 0
+
+    def _split_command_across_slots(self, command: str, *keys: KeyT) -> int:
+        """As ``_AsyncCluster._split_command_across_slots``: one retried command per slot."""
+        total = 0
+        for names in self._partition_keys_by_slot(keys).values():
+            total += int(self.execute_command(command, *names))
+        return total
 
     def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         backoff = ExponentialBackoff(cap=1.0, base=0.05)
