@@ -274,12 +274,6 @@ class Keys:
     def heartbeat(self, worker: str) -> str:
         return f"{self.prefix}worker:{worker}"
 
-    def heartbeat_pattern(self) -> str:
-        return f"{self.prefix}worker:*"
-
-    def worker_id(self, heartbeat_key: str | bytes) -> str:
-        return _s(heartbeat_key).removeprefix(f"{self.prefix}worker:")
-
 
 @dataclass(frozen=True)
 class Entry:
