@@ -112,6 +112,11 @@ class LocalCluster:
         self._kill(node)
         self._spawn(node)
         self._wait(lambda: ping(node.port), timeout, f"redis-server on {node.port} again")
+        self._wait(  # a replica again once it has synced (a later CLUSTER FAILOVER needs that)
+            lambda: self._replication(node).get("role") == "master" or self._linked(node),
+            timeout,
+            "the restarted node in sync",
+        )
 
     # ------------------------------------------------------------------------------------ topology
 
