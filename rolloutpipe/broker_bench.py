@@ -45,7 +45,7 @@ from rolloutpipe.bench import CONFIGS
 from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.embedded import EmbeddedRedis
 from rolloutpipe.broker.events import AllocationRecord, FrontierStatus, Group, Sample
-from rolloutpipe.broker.streams import Groups, Keys
+from rolloutpipe.broker.streams import Groups, Keys, cluster_node_url, run_keys
 from rolloutpipe.config import load_config
 from rolloutpipe.errors import ConfigError
 from rolloutpipe.runner import run_cluster
@@ -508,7 +508,7 @@ def _drop_run(url: str, run: str) -> None:
     """Delete a finished row's keys, so the next row starts on an empty Redis."""
     r = redis.Redis.from_url(url)
     try:
-        keys = list(r.scan_iter(match=f"rp:{{{run}}}:*", count=1000))
+        keys = run_keys(r, Keys(run), f"rp:{{{run}}}:*")
         for i in range(0, len(keys), 500):
             r.unlink(*keys[i : i + 500])
     finally:
@@ -699,6 +699,11 @@ def run_broker(
     suite: str, out: Path, *, url: str = "", progress: bool = True, quick: bool = False
 ) -> tuple[str, str]:
     """Run the suite; returns the table and a line saying where the results are."""
+    if cluster_node_url(url) is not None:  # its ceiling, INFO and redis-benchmark are one server's
+        raise ConfigError(
+            "bench --suite broker measures one Redis server; give it the redis:// URL of the master "
+            "that serves the run's slot (docs/operations.md, Redis Cluster)"
+        )
     spec = load_spec(suite, quick)
     rows = rows_of(spec)
     load_config(Path(spec["base"]), row_overrides(spec, rows[0], out), environ={})  # fail fast

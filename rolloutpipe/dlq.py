@@ -32,7 +32,7 @@ from redis.exceptions import ResponseError
 
 from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.events import DeadLetter, Event, Group, PolicyVersion, RolloutRequest, Sample
-from rolloutpipe.broker.streams import DATA, Keys
+from rolloutpipe.broker.streams import DATA, Keys, one_slot
 from rolloutpipe.errors import CodecError, RolloutPipeError
 from rolloutpipe.ops import PAGE, compact
 
@@ -408,8 +408,10 @@ def replay(
             continue
         assert rec.letter is not None
         note = json.dumps({"at": time.time(), "stream": rec.letter.source_stream, "forced": bool(why)})
+        names = [rec.letter.source_stream, replayed_key(run), keys.stats]
+        one_slot(keys, names)  # one script, one slot (Redis Cluster)
         new: Any = script(
-            keys=[rec.letter.source_stream, replayed_key(run), keys.stats],
+            keys=names,
             args=[rec.id, rec.letter.payload, note, int(force), DATA, REPLAYED_COUNTER],
         )
         if new is None:  # replayed by someone else since we read it

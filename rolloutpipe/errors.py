@@ -35,3 +35,7 @@ class PolicyError(RolloutPipeError):
 
 class RoleError(RolloutPipeError):
     """A role process that ``rolloutpipe run`` started exited before the run ended."""
+
+
+class CrossSlotError(RolloutPipeError):
+    """A script or transaction whose keys are not all in one run's Redis Cluster slot."""

@@ -44,7 +44,16 @@ from rolloutpipe.broker.events import (
     StepPlan,
     StepSeal,
 )
-from rolloutpipe.broker.streams import DATA, Groups, Keys, lag_of
+from rolloutpipe.broker.streams import (
+    DATA,
+    Groups,
+    Keys,
+    cluster_node_url,
+    connect_sync,
+    lag_of,
+    live_heartbeats_sync,
+    run_keys,
+)
 from rolloutpipe.errors import CodecError
 
 STREAMS = ("requests", "samples", "groups", "control", "feedback", "dlq")
@@ -75,7 +84,10 @@ def redis_failure(url: str, e: Exception) -> str:
 
 
 def connect(url: str) -> redis.Redis:
-    """A sync client: fails fast when Redis is down, never times out a blocking ``XREAD``."""
+    """A sync client: fails fast when Redis is down, never times out a blocking ``XREAD``
+    (``redis+cluster://``: a cluster client that retries nothing)."""
+    if cluster_node_url(url) is not None:
+        return connect_sync(url, retry_s=0, socket_connect_timeout=3, socket_timeout=None)
     return redis.Redis.from_url(url, socket_connect_timeout=3)
 
 
@@ -482,14 +494,7 @@ def _stream_info(r: redis.Redis, key: str) -> dict[str, Any]:
 
 def _workers(r: redis.Redis, k: Keys, now: float) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    for key in sorted(r.scan_iter(match=k.heartbeat_pattern(), count=100)):
-        wid = _s(key).removeprefix(k.prefix + "worker:")
-        pipe = r.pipeline(transaction=True)
-        pipe.get(key)
-        pipe.ttl(key)
-        raw, ttl = pipe.execute()
-        if raw is None:  # expired since SCAN
-            continue
+    for wid, raw, ttl in sorted(live_heartbeats_sync(r, k)):  # the run's registry, no SCAN
         try:
             hb = json.loads(raw)
             info = {f: hb.get(f) for f in ("capacity", "inflight", "version", "samples", "pid", "host")}
@@ -520,8 +525,8 @@ def _current_step(r: redis.Redis, k: Keys, version: dict[str, Any] | None) -> di
     """The highest step with a plan, with how far its requests, samples and groups have got."""
     steps = [
         int(s)
-        for key in r.scan_iter(match=k.prefix + "plan:*", count=1000)
-        if (s := _s(key).rsplit(":", 1)[-1]).isdigit()
+        for key in run_keys(r, k, k.prefix + "plan:*")  # on a cluster: only the run's own node
+        if (s := key.rsplit(":", 1)[-1]).isdigit()
     ]
     if not steps:
         return None

@@ -9,6 +9,7 @@ import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -134,3 +135,15 @@ EMULATED_FAST = (
     "rollout.claim_idle_s=2.0",
     "rollout.heartbeat_s=0.3",
 )
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[Any]:
+    """A local Redis Cluster (3 masters, one replica each) for the session: ``tests/rediscluster.py``."""
+    from tests.rediscluster import LocalCluster
+
+    lc = LocalCluster().start()
+    try:
+        yield lc
+    finally:
+        lc.stop()

@@ -300,6 +300,7 @@ def test_status_pins_lag_pending_frontier_and_health(sr: redis.Redis, redis_url:
     assert code == 1 and "no live rollout worker" in why
     hb = {"capacity": 8, "inflight": 1, "version": 3, "samples": 9, "pid": 1, "host": "h", "t": time.time()}
     sr.set(k.heartbeat("w0"), json.dumps(hb), ex=30)
+    sr.zadd(k.workers, {"w0": time.time() + 30})  # a worker registers as it beats (no SCAN finds it)
     st = ops.collect_status(r, run_name)
     assert [(w["id"], w["capacity"]) for w in st["workers"]] == [("w0", 8)]
     code, why = ops.health(st, stuck_after_s=600)

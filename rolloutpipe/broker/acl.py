@@ -8,8 +8,8 @@ users and fresh random passwords, and ``docker-compose.yml`` spells the same rul
 * ``controller`` writes ``requests``, plans, allocations (``alloc``, ``closed``, on ``samples``),
   step seals (on ``groups``), its release records and the prompt history; it reads ``feedback``,
   trims the streams and old steps' keys (``XTRIM``/``DEL``) and audits ``control``.
-* ``rollout`` writes ``samples`` and its heartbeats, reads ``version`` and ``closed``; it cannot
-  write ``groups``, ``control`` or ``version``.
+* ``rollout`` writes ``samples`` and its heartbeats (and the ``workers`` registry), reads
+  ``version`` and ``closed``; it cannot write ``groups``, ``control`` or ``version``.
 * ``aggregator`` writes ``groups`` and ``feedback``, reads ``alloc``; ``trainer`` writes
   ``version``, ``control`` and ``consumed``.
 * ``observer`` only reads (``tail``, ``status``, healthchecks).
@@ -35,19 +35,19 @@ ROLE_RULES: dict[str, list[str]] = {
         "~rp:*:released:*", "~rp:*:done", "~rp:*:samples", "~rp:*:groups", "~rp:*:finished:*",
         "~rp:*:emitted:*", "~rp:*:consumed:*", "~rp:*:feedback", "~rp:*:alloc:*", "~rp:*:closed:*",
         "~rp:*:prompt_history", "~rp:*:samples:*", "~rp:*:sample_shards", *_ONCE_KEYS,
-        "%R~rp:*:version", "%R~rp:*:worker:*",
+        "%R~rp:*:version", "%R~rp:*:worker:*", "%R~rp:*:workers",
         "-@all", "+@connection", *_TX, *_ONCE, "+xadd", *_STREAM_CONSUMER, "+xrange", "+xrevrange",
         "+xread", "+exists", "+incrby", "+hincrby", "+hgetall", "+scard",
         "+scan", "+sadd", "+smembers", "+sismember", "+xtrim", "+xinfo|groups", "+xpending", "+xlen",
-        "+del",
+        "+del", "+zrangebyscore", "+mget",
     ],
     "rollout": [
         "~rp:*:requests", "~rp:*:samples", "~rp:*:dlq", "~rp:*:stats", "~rp:*:finished:*",
-        "~rp:*:worker:*", "~rp:*:samples:*", "~rp:*:sample_shards", *_ONCE_KEYS, "%R~rp:*:version",
-        "%R~rp:*:control", "%R~rp:*:plan:*",
-        "%R~rp:*:done", "%R~rp:*:closed:*",
+        "~rp:*:worker:*", "~rp:*:samples:*", "~rp:*:sample_shards", "~rp:*:workers", *_ONCE_KEYS,
+        "%R~rp:*:version", "%R~rp:*:control", "%R~rp:*:plan:*", "%R~rp:*:done", "%R~rp:*:closed:*",
         "-@all", "+@connection", *_TX, *_ONCE, "+xadd", *_STREAM_CONSUMER, "+xclaim", "+xread",
         "+xrevrange", "+del", "+exists", "+incr", "+incrby", "+hincrby", "+scan", "+sadd", "+smembers",
+        "+zadd", "+zrem", "+zremrangebyscore", "+zrangebyscore", "+mget",
     ],
     "aggregator": [
         "~rp:*:samples", "~rp:*:groups", "~rp:*:dlq", "~rp:*:stats", "~rp:*:emitted:*",

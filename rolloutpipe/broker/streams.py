@@ -20,16 +20,34 @@ import uuid
 import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import PipelineCommand
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.cluster import RedisCluster as SyncRedisCluster
+from redis.crc import key_slot
+from redis.exceptions import (
+    AskError,
+    AuthenticationError,
+    AuthorizationError,
+    ClusterDownError,
+    MaxConnectionsError,
+    NoScriptError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry as SyncRetry
+from redis.typing import KeyT
 
 from rolloutpipe import metrics
 from rolloutpipe.broker.codec import DEFAULT_CODEC, MsgpackCodec
@@ -46,7 +64,7 @@ from rolloutpipe.broker.events import (
     StepPlan,
     StepSeal,
 )
-from rolloutpipe.errors import CodecError, ConfigError
+from rolloutpipe.errors import CodecError, ConfigError, CrossSlotError
 
 log = logging.getLogger("rolloutpipe.broker")
 
@@ -143,9 +161,33 @@ class Once:
 
     async def execute(self) -> str:
         """'0' if a guard found the write applied by another call; else '1' or the 'r' command's reply."""
+        one_slot(self.b.keys, [self.record, *self.keys])
+        r: Any = self.b.r
+        if isinstance(r, _AsyncCluster) and r.rp_wait_replicas > 0:
+            out, acked = await r.eval_replicated(
+                ONCE_LUA, [self.record, *self.keys], [self.token, self.ttl, *self.args]
+            )
+            if acked < r.rp_wait_replicas:  # on the master only: a failover now could lose it
+                metrics.BROKER_EVENTS.labels(self.b.role, "unreplicated_writes").inc()
+                log.warning(
+                    "a write reached %d of %d replicas in %d ms", acked, r.rp_wait_replicas, r.rp_wait_ms
+                )
+            return _s(out)
         script = self.b.once_script()
         out = await script(keys=[self.record, *self.keys], args=[self.token, self.ttl, *self.args])
         return _s(out)
+
+
+def one_slot(keys: Keys, names: Sequence[str]) -> None:
+    """Raise ``CrossSlotError`` unless every key is the run's (``rp:{run}:…``, so in its one slot).
+
+    A script or MULTI runs on one Redis Cluster node, so all its keys must hash to one slot; the
+    run's hash tag puts every key of ``Keys`` there.  ``tests/test_cluster.py`` checks the slot of
+    every key each Broker write touches.
+    """
+    bad = [n for n in names if not n.startswith(keys.prefix)]
+    if bad:
+        raise CrossSlotError(f"keys outside run {keys.run!r} (slot {keys.slot}) in one write: {bad[:5]}")
 
 
 def lag_of(groups_info: Any, group: str) -> int | None:
@@ -170,9 +212,12 @@ class Keys:
     """Names of every stream and key of one run."""
 
     def __init__(self, run: str) -> None:
+        if not run:  # ``rp:{}:`` is no hash tag: Redis Cluster would spread the run over every slot
+            raise ValueError("a run needs a non-empty name")
         self.run = run
         p = f"rp:{{{run}}}:"  # the braces are a Redis Cluster hash tag: one slot per run
         self.prefix = p
+        self.slot = key_slot(p.encode())  # every key of the run hashes here (``{run}``)
         self.requests = p + "requests"
         self.samples = p + "samples"
         self.groups = p + "groups"
@@ -184,9 +229,8 @@ class Keys:
         self.stats = p + "stats"
         self.done = p + "done"
         self.prompt_history = p + "prompt_history"  # prompt index -> recent PromptRecords (JSON)
-        self.sample_shards = (
-            p + "sample_shards"
-        )  # how many samples streams the run has (``redis.sample_shards``)
+        self.workers = p + "workers"  # rollout worker ids, scored by their heartbeat's expiry time
+        self.sample_shards = p + "sample_shards"  # the run's number of samples streams
 
     def samples_shard(self, i: int) -> str:
         """Samples stream ``i`` of a run split across aggregators: ``samples``, ``samples:1``, …"""
@@ -245,9 +289,6 @@ class Keys:
     def heartbeat(self, worker: str) -> str:
         return f"{self.prefix}worker:{worker}"
 
-    def heartbeat_pattern(self) -> str:
-        return f"{self.prefix}worker:*"
-
 
 @dataclass(frozen=True)
 class Entry:
@@ -260,6 +301,161 @@ class Entry:
         return self.fields.get(DATA, b"")
 
 
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}  # -> the node URL's scheme
+# What a cluster client waits out with backoff, as ``connect`` does for one server: a node down or
+# restarting, and a failover (the slot uncovered, CLUSTERDOWN/TRYAGAIN until a replica takes over).
+_CLUSTER_RETRY = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ClusterDownError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
+
+
+def cluster_node_url(url: str) -> str | None:
+    """``redis://…`` for a ``redis+cluster://…`` URL (``rediss://…`` for ``rediss+cluster://…``),
+    None for any other URL (one server)."""
+    scheme, sep, rest = url.partition("://")
+    base = CLUSTER_SCHEMES.get(scheme.lower())
+    return f"{base}://{rest}" if sep and base else None
+
+
+_WAIT_PARAMS = ("wait_replicas", "wait_timeout_ms")  # cluster URL options of RolloutPipe's own
+
+
+def _pop_query(url: str, names: tuple[str, ...]) -> tuple[str, dict[str, str]]:
+    """``url`` without the query parameters ``names`` (RolloutPipe's, not redis-py's), and them."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    ours = {k: v for k, v in query if k in names}
+    rest = urlencode([(k, v) for k, v in query if k not in names])
+    return urlunsplit(parts._replace(query=rest)), ours
+
+
+def is_cluster(r: Any) -> bool:
+    """Whether ``r`` is a Redis Cluster client (``connect``/``connect_sync`` of a cluster URL)."""
+    return isinstance(r, AsyncRedisCluster | SyncRedisCluster)
+
+
+def _retry_cluster(e: Exception) -> bool:
+    if isinstance(e, AuthenticationError | AuthorizationError):
+        return False  # a wrong password does not get better by waiting
+    if isinstance(e, _CLUSTER_RETRY):
+        return True
+    if isinstance(e, RedisClusterException):  # no node reachable to read the slot map from
+        return isinstance(e.__cause__, RedisConnectionError | RedisTimeoutError)
+    # a blocked XREAD/XREADGROUP on a master that turned replica (a manual failover)
+    return isinstance(e, ResponseError) and str(e).startswith("UNBLOCKED")
+
+
+class _AsyncCluster(AsyncRedisCluster):
+    """redis-py's cluster client, with the retries of :func:`connect`.
+
+    Its own retry loop re-reads the slot map and resends at once, without backoff, so a failover
+    (a second or more) would use up every attempt within milliseconds.  Here each command is retried
+    with the same exponential backoff as one server's client, for about ``retry_s`` seconds; each
+    retry starts from a fresh slot map.  Retried commands are the same ones ``connect`` retries,
+    and a write resent after a lost reply is made harmless the same way (``ONCE_LUA``).
+
+    The fresh slot map is forced, and read before the retry: redis-py asks its "default node"
+    for the keys of some commands (``COMMAND GETKEYS`` for XREAD and XREADGROUP) before it looks
+    at its map, and re-reads the map only when the command's own node fails, so with the default
+    node dead every such command would fail until the retries ran out, even after a replica had
+    taken over (measured: the roles died).
+    """
+
+    rp_retries = 0
+    rp_wait_replicas = 0  # ``?wait_replicas=N``: each ONCE_LUA write waits for N replicas
+    rp_wait_ms = 1000  # ``?wait_timeout_ms=T``: for at most T ms (then it goes on, warning)
+
+    async def eval_replicated(self, script: str, keys: list[str], args: list[Any]) -> tuple[Any, int]:
+        """``EVAL`` then ``WAIT rp_wait_replicas rp_wait_ms`` on one connection of the master of the
+        keys' slot (WAIT counts the replicas that have this connection's writes): the result and
+        how many replicas acknowledged it.  Retried like any command; a retry resends the same
+        script and token, so a write that died with its master is applied on the promoted
+        replica, and one the replica already has is not applied twice."""
+        backoff = ExponentialBackoff(cap=1.0, base=0.05)
+        for failures in range(self.rp_retries + 1):
+            try:
+                await self.initialize()
+                node = self.get_node_from_key(keys[0])
+                if node is None:
+                    raise SlotNotCoveredError(f"no master serves {keys[0]!r}")
+                cmds = [
+                    PipelineCommand(0, "EVAL", script, len(keys), *keys, *args),
+                    PipelineCommand(1, "WAIT", self.rp_wait_replicas, self.rp_wait_ms),
+                ]
+                await node.execute_pipeline(cmds)
+                for c in cmds:
+                    if isinstance(c.result, Exception):
+                        raise c.result
+                acked: Any = cmds[1].result
+                return cmds[0].result, int(acked)
+            except Exception as e:
+                if failures >= self.rp_retries or not (_retry_cluster(e) or isinstance(e, AskError)):
+                    raise  # (MovedError is an AskError: the slot has a new master)
+                log.debug("EVAL+WAIT on the cluster (%s); retrying", e)
+                await asyncio.sleep(backoff.compute(failures))
+                self._initialize = True
+        raise AssertionError("unreachable")
+
+    async def _split_command_across_slots(self, command: str, *keys: KeyT) -> int:  # type: ignore[override]
+        """DEL, EXISTS, TOUCH, UNLINK: one command per slot through ``execute_command``, so retried.
+
+        redis-py sends them as a pipeline, which its retry count (0 here) does not retry: an
+        ``EXISTS done`` during a failover killed a role (measured).  A run's keys are one slot.
+        """
+        total = 0
+        for names in self._partition_keys_by_slot(keys).values():
+            total += int(await self.execute_command(command, *names))
+        return total
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        backoff = ExponentialBackoff(cap=1.0, base=0.05)
+        for failures in range(self.rp_retries + 1):
+            try:
+                return await super().execute_command(*args, **kwargs)
+            except Exception as e:
+                if failures >= self.rp_retries or not _retry_cluster(e):
+                    raise
+                log.debug("%s on the cluster (%s); retrying", args[0], e)
+                await asyncio.sleep(backoff.compute(failures))
+                if not isinstance(e, MaxConnectionsError):  # a node failed, not our pool: new map
+                    self._initialize = True
+                    with contextlib.suppress(RedisError, RedisClusterException):
+                        await self.initialize()  # (the next try may find the slot before it would)
+        raise AssertionError("unreachable")
+
+
+class _SyncCluster(SyncRedisCluster):
+    """The blocking cluster client, with the retries of :func:`connect_sync` (see ``_AsyncCluster``)."""
+
+    rp_retries = 0
+
+    def _split_command_across_slots(self, command: str, *keys: KeyT) -> int:
+        """As ``_AsyncCluster._split_command_across_slots``: one retried command per slot."""
+        total = 0
+        for names in self._partition_keys_by_slot(keys).values():
+            total += int(self.execute_command(command, *names))
+        return total
+
+    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        backoff = ExponentialBackoff(cap=1.0, base=0.05)
+        for failures in range(self.rp_retries + 1):
+            try:
+                return super().execute_command(*args, **kwargs)  # type: ignore[no-untyped-call]
+            except Exception as e:
+                if failures >= self.rp_retries or not _retry_cluster(e):
+                    raise
+                log.debug("%s on the cluster (%s); retrying", args[0], e)
+                time.sleep(backoff.compute(failures))
+                if not isinstance(e, MaxConnectionsError):  # a node failed: a new map, default node
+                    with contextlib.suppress(RedisError, RedisClusterException):
+                        self.nodes_manager.initialize()
+        raise AssertionError("unreachable")
+
+
 def connect(url: str, max_connections: int = 32, *, retry_s: float = 30.0) -> aioredis.Redis:
     """A client whose pool waits for a free connection instead of failing under bursts.
 
@@ -268,7 +464,30 @@ def connect(url: str, max_connections: int = 32, *, retry_s: float = 30.0) -> ai
     fails with ``ConnectionError``/``TimeoutError`` (a Redis restart, ``LOADING`` while the AOF is
     replayed) is retried on a fresh connection with exponential backoff (50 ms doubling, at most
     1 s apart) for about ``retry_s`` seconds before the error reaches the role.
+
+    ``redis+cluster://host:port`` (``rediss+cluster://`` with TLS) is a Redis Cluster reached
+    through any of its nodes: redis-py's cluster client, with the same retries (a failover is
+    waited out) and at most ``max_connections`` connections a node (a command that finds them all
+    busy waits, with the same backoff).  It is typed as ``Redis``: the roles use only commands
+    the two clients share, on keys of one run (one slot; see docs/operations.md).
     """
+    node_url = cluster_node_url(url)
+    if node_url is not None:
+        node_url, wait = _pop_query(node_url, _WAIT_PARAMS)
+        rc = cast(
+            _AsyncCluster,
+            _AsyncCluster.from_url(
+                node_url,
+                max_connections=max_connections,
+                socket_timeout=None,  # as one server's client: a blocking XREAD is never cut short
+                health_check_interval=30,
+                retry=Retry(NoBackoff(), retries=0),  # _AsyncCluster retries, with backoff
+            ),
+        )
+        rc.rp_retries = retries_for(retry_s)
+        rc.rp_wait_replicas = int(wait.get("wait_replicas", 0))
+        rc.rp_wait_ms = int(wait.get("wait_timeout_ms", rc.rp_wait_ms))
+        return cast(aioredis.Redis, rc)
     pool = aioredis.BlockingConnectionPool.from_url(
         url,
         max_connections=max_connections,
@@ -281,12 +500,21 @@ def connect(url: str, max_connections: int = 32, *, retry_s: float = 30.0) -> ai
     return aioredis.Redis.from_pool(pool)  # the pool's decode_responses defaults to False
 
 
-def connect_sync(url: str, *, retry_s: float = 30.0) -> redis.Redis:
-    """A blocking client with the same retries as :func:`connect` (``rolloutpipe run``'s follower)."""
+def connect_sync(url: str, *, retry_s: float = 30.0, **kwargs: Any) -> redis.Redis:
+    """A blocking client with the same retries as :func:`connect` (``rolloutpipe run``'s follower),
+    for one server or (``redis+cluster://``) a cluster; ``kwargs`` go to redis-py's client."""
+    node_url = cluster_node_url(url)
+    if node_url is not None:
+        node_url, _wait = _pop_query(node_url, _WAIT_PARAMS)  # (for the roles' writes only)
+        src = _SyncCluster.from_url(node_url, retry=SyncRetry(NoBackoff(), retries=0), **kwargs)
+        src = cast(_SyncCluster, src)
+        src.rp_retries = retries_for(retry_s)
+        return cast(redis.Redis, src)
     return redis.Redis.from_url(
         url,
         retry=SyncRetry(ExponentialBackoff(cap=1.0, base=0.05), retries=retries_for(retry_s)),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        **kwargs,
     )
 
 
@@ -365,8 +593,11 @@ class Broker:
         """
         if not ops:
             return []
-        if len(ops) == 1:
-            return [await ops[0].execute()]
+        if len(ops) == 1 or isinstance(self.r, _AsyncCluster):
+            # a cluster: each on its own (its slot checked, and its WAIT for replicas when asked)
+            return [await op.execute() for op in ops]
+        for op in ops:
+            one_slot(self.keys, [op.record, *op.keys])
         script = self.once_script()
         if self._once_loaded != id(self.r):
             await self.r.script_load(ONCE_LUA)  # then EVALSHA, without a SCRIPT EXISTS per pipeline
@@ -725,13 +956,15 @@ class Broker:
         return {_s(m) for m in await self.r.smembers(self.keys.consumed(step))}
 
     async def commit_consumed(self, step: int, group_ids: Sequence[str], entry_ids: Sequence[str]) -> None:
-        """The step's groups recorded as consumed and their entries acknowledged, together."""
-        pipe = self.r.pipeline(transaction=True)
-        if group_ids:
-            pipe.sadd(self.keys.consumed(step), *group_ids)
-        if entry_ids:
-            pipe.xack(self.keys.groups, Groups.TRAINER, *entry_ids)
-        await pipe.execute()
+        """The step's groups recorded as consumed and their entries acknowledged, together.
+
+        One ``ONCE_LUA`` run (one slot, so it runs on a cluster too, where redis-py's client would
+        need a transaction of its own); both commands are idempotent, so a resend is harmless anyway.
+        """
+        if not group_ids and not entry_ids:
+            return
+        op = self.once(step).sadd(self.keys.consumed(step), list(group_ids))
+        await op.xack(self.keys.groups, Groups.TRAINER, list(entry_ids)).execute()
 
     async def trainer_lag(self) -> int:
         """Groups in ``groups`` the trainer has not acknowledged: undelivered (lag) + pending."""
@@ -750,19 +983,27 @@ class Broker:
         return lag
 
     async def heartbeat(self, worker: str, info: dict[str, Any], ttl_s: int) -> None:
+        """The worker's TTL key, and its id in the run's ``workers`` registry (no SCAN finds it).
+
+        The key's TTL (the server's clock) says whether the worker lives; the registry only lists
+        ids to look at, scored by this host's idea of the expiry time so that ids of workers dead
+        long ago (``REGISTRY_GRACE_S``, far beyond any clock skew) are dropped from it.
+        """
+        now = time.time()
+        await self.r.zadd(self.keys.workers, {worker: now + ttl_s})
         await self.r.set(self.keys.heartbeat(worker), json.dumps(info).encode(), ex=ttl_s)
+        await self.r.zremrangebyscore(self.keys.workers, "-inf", now - REGISTRY_GRACE_S)
 
     async def drop_heartbeat(self, worker: str) -> None:
         await self.r.delete(self.keys.heartbeat(worker))
+        await self.r.zrem(self.keys.workers, worker)
 
     async def live_workers(self) -> list[dict[str, Any]]:
         """The heartbeat records of live workers (their keys expire with the worker)."""
         out = []
-        async for key in self.r.scan_iter(match=self.keys.heartbeat_pattern(), count=100):
-            raw = await self.r.get(key)
-            if raw:
-                with contextlib.suppress(ValueError):
-                    out.append(json.loads(raw))
+        for _wid, raw in await live_heartbeats(self.r, self.keys):
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(raw))
         return out
 
     async def capacity(self) -> int:
@@ -790,6 +1031,54 @@ class Broker:
             await self.r.hset(
                 self.keys.prompt_history, mapping={str(k): json.dumps(v) for k, v in records.items()}
             )
+
+
+REGISTRY_GRACE_S = 300.0  # a registered worker whose heartbeat expired this long ago is unlisted
+
+
+async def live_heartbeats(r: aioredis.Redis, keys: Keys) -> list[tuple[str, bytes]]:
+    """``(worker id, heartbeat record)`` of each live worker: the ids in ``workers`` scored within
+    ``REGISTRY_GRACE_S`` of now, and one MGET of their keys (all in the run's slot)."""
+    ids = [_s(w) for w in await r.zrangebyscore(keys.workers, time.time() - REGISTRY_GRACE_S, "+inf")]
+    if not ids:
+        return []
+    raws = await r.mget([keys.heartbeat(w) for w in ids])
+    return [(w, _b(raw)) for w, raw in zip(ids, raws, strict=True) if raw]
+
+
+def live_heartbeats_sync(r: redis.Redis, keys: Keys) -> list[tuple[str, bytes, int]]:
+    """``live_heartbeats`` for a blocking client, with each key's TTL (seconds) as well."""
+    ids = [_s(w) for w in r.zrangebyscore(keys.workers, time.time() - REGISTRY_GRACE_S, "+inf")]
+    out: list[tuple[str, bytes, int]] = []
+    if not ids:
+        return out
+    raws: Any = r.mget([keys.heartbeat(w) for w in ids])
+    for w, raw in zip(ids, raws, strict=True):
+        if raw:
+            ttl = int(r.ttl(keys.heartbeat(w)))
+            if ttl != -2:  # expired since MGET
+                out.append((w, _b(raw), ttl))
+    return out
+
+
+def run_keys(r: redis.Redis, keys: Keys, match: str, count: int = 1000) -> list[str]:
+    """The names of the run's keys that match ``match`` (a glob under ``rp:{run}:``).
+
+    One server: SCAN.  A cluster: SCAN of the one master that owns the run's slot, never of every
+    node (a run's keys all live there).
+    """
+    if not match.startswith(keys.prefix):
+        raise CrossSlotError(f"{match!r} is not a pattern of run {keys.run!r}")
+    if is_cluster(r):
+        node = cast(SyncRedisCluster, r).get_node_from_key(keys.prefix)  # type: ignore[no-untyped-call]
+        found = r.scan_iter(match=match, count=count, target_nodes=node)
+    else:
+        found = r.scan_iter(match=match, count=count)
+    return [_s(k) for k in found]
+
+
+def _b(v: bytes | str) -> bytes:
+    return v if isinstance(v, bytes) else v.encode()
 
 
 def _s(v: Any) -> str:
