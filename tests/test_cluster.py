@@ -207,11 +207,13 @@ def _on_node(node: Node, key: str) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("shards", [1, 2], ids=["one-aggregator", "two-aggregator-shards"])
 def test_a_run_on_the_cluster_trains_every_group_exactly_once(
-    tmp_path: Path, redis_cluster: LocalCluster, csr: redis.Redis
+    tmp_path: Path, redis_cluster: LocalCluster, csr: redis.Redis, shards: int
 ) -> None:
+    """Also with two aggregators: the shard streams share the run's slot, like every key of it."""
     run, owner = run_on(redis_cluster)
-    cfg = make_config(tmp_path, run, *OVERRIDES)
+    cfg = make_config(tmp_path, run, *OVERRIDES, f"redis.sample_shards={shards}")
     cluster = start_cluster(cfg, redis_cluster.url)
     try:
         d = Driver(cluster, csr)
@@ -220,6 +222,8 @@ def test_a_run_on_the_cluster_trains_every_group_exactly_once(
         assert_exactly_once(csr, cfg, d.metrics)
         audit_group_log(Path(cfg.out), STEPS, cfg.controller.prompts_per_step, cfg.controller.group_size)
         assert _on_node(owner, Keys(run).version)
+        for stream in Keys(run).sample_streams(shards):
+            assert _on_node(owner, stream), stream
     finally:
         stop_cluster(cluster, csr)
 
