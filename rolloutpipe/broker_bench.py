@@ -625,17 +625,21 @@ def plot(doc: dict[str, Any], path: Path) -> Path | None:
         series.setdefault(
             (r["payload_bytes"], r["offered_samples_per_s"], r.get("aggregators", 1)), []
         ).append(r)
-    for (pb, off, na), rs in sorted(
-        series.items(), key=lambda x: (x[0][0], x[0][1] or float("inf"), x[0][2])
-    ):
+    # one colour per (payload, offered load); solid: one aggregator, dashed: several (shards)
+    loads_top = sorted({(r["payload_bytes"], r["offered_samples_per_s"] or float("inf")) for r in rows})
+    colour = {k: plt.get_cmap("tab20")(i % 20) for i, k in enumerate(loads_top)}
+    order = sorted(series.items(), key=lambda x: (x[0][0], x[0][1] or float("inf"), x[0][2]))
+    for (pb, off, na), rs in order:
         rs = sorted(rs, key=lambda r: r["workers"])
         label = f"{pb / 1024:.0f} KiB, offered {'max' if off is None else f'{off:,.0f}/s'}"
         label += f", {na} aggregators" if na > 1 else ""
         xs = [r["workers"] for r in rs]
-        ax[0][0].errorbar(xs, [r["samples_per_s"] for r in rs], marker="o", capsize=3, label=label,
-                          yerr=_err(rs, "samples_per_s"))  # fmt: skip
-        ax[0][1].errorbar(xs, [r["dispatch_p99_s"] * 1e3 for r in rs], marker="o", capsize=3, label=label,
-                          yerr=_err(rs, "dispatch_p99_s", 1e3))  # fmt: skip
+        c = colour[(pb, off or float("inf"))]
+        style: dict[str, Any] = {"marker": "o" if na == 1 else "s", "ls": "-" if na == 1 else "--",
+                                 "capsize": 3, "color": c, "label": label}  # fmt: skip
+        ax[0][0].errorbar(xs, [r["samples_per_s"] for r in rs], yerr=_err(rs, "samples_per_s"), **style)
+        p99 = [r["dispatch_p99_s"] * 1e3 for r in rs]
+        ax[0][1].errorbar(xs, p99, yerr=_err(rs, "dispatch_p99_s", 1e3), **style)
     for c in doc["ceilings"]:
         for frac, ls in ((1.0, ":"), (0.5, "--")):
             y = frac * c["redis_py_samples_per_s"]
@@ -647,17 +651,21 @@ def plot(doc: dict[str, Any], path: Path) -> Path | None:
     ax[0][1].set(title="dispatch latency p99 vs workers", xlabel="rollout workers", ylabel="ms",
                  xscale="log", yscale="log")  # fmt: skip
     ax[0][1].axhline(10, ls=":", color="red", label="target p99 10 ms")
-    ax[0][0].legend(fontsize="x-small")
+    ax[0][0].legend(fontsize="xx-small", ncol=2, loc="upper right")  # over the ceiling lines, not the data
     paced = [r for r in rows if r["offered_samples_per_s"] is not None]
     by_wp: dict[tuple[int, int, int], list[dict[str, Any]]] = {}
     for r in paced:
         by_wp.setdefault((r["workers"], r["payload_bytes"], r.get("aggregators", 1)), []).append(r)
+    wp = sorted({(r["workers"], r["payload_bytes"]) for r in paced})
+    colour_wp = {k: plt.get_cmap("tab20")(i % 20) for i, k in enumerate(wp)}
     for (w, pb, na), rs in sorted(by_wp.items()):
         rs = sorted(rs, key=lambda r: r["offered_samples_per_s"])
         xs = [r["offered_samples_per_s"] for r in rs]
         label = f"{w} workers, {pb / 1024:.0f} KiB" + (f", {na} aggregators" if na > 1 else "")
-        ax[1][0].plot(xs, [r["samples_per_s"] for r in rs], marker="o", label=label)
-        ax[1][1].plot(xs, [r["dispatch_p99_s"] * 1e3 for r in rs], marker="o", label=label)
+        line: dict[str, Any] = {"marker": "o" if na == 1 else "s", "ls": "-" if na == 1 else "--",
+                                "color": colour_wp[(w, pb)], "label": label}  # fmt: skip
+        ax[1][0].plot(xs, [r["samples_per_s"] for r in rs], **line)
+        ax[1][1].plot(xs, [r["dispatch_p99_s"] * 1e3 for r in rs], **line)
     if paced:
         lo, hi = (
             min(r["offered_samples_per_s"] for r in paced),
@@ -670,7 +678,7 @@ def plot(doc: dict[str, Any], path: Path) -> Path | None:
                  xscale="log", yscale="log")  # fmt: skip
     ax[1][1].axhline(10, ls=":", color="red", label="target p99 10 ms")
     if paced:
-        ax[1][0].legend(fontsize="x-small")
+        ax[1][0].legend(fontsize="xx-small", ncol=2)
     # plain tick labels at the measured points (after the log scales, which reset the ticks)
     workers = sorted({r["workers"] for r in rows})
     loads = sorted({r["offered_samples_per_s"] for r in paced})
