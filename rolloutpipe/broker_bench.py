@@ -553,19 +553,29 @@ def saturation(row: dict[str, Any]) -> str:
     """Which stage saturated first.  Redis and each Python role run on one thread, so one at 0.85
     core or more is saturated.  Below that a stage can still be the bottleneck, bound by its
     round trips or by waiting for a CPU: then entries queue in front of it (a group's worth or more
-    on average), and the stage with the longer queue is the one that fell behind."""
+    on average), and the stage with the longer queue is the one that fell behind.  With nothing
+    queued and the offered load not reached (or no limit offered), the workers themselves are the
+    limit: they generate, encode and publish every sample.  When the processes wait for a CPU (the
+    run-queue wait: on average that many runnable threads had no core), the machine's cores are
+    what is full, whichever stage shows the queue."""
     single = {k: row.get(f"{k}_cpu", 0.0) for k in ("redis", "aggregator", "trainer", "controller")}
     single["aggregator"] = row.get("aggregator_cpu_max_one", single["aggregator"])  # of several: the busiest
     busiest = max(single, key=lambda k: single[k])
+    wait = sum(row.get(f"{k}_runq_wait", 0.0) for k in WAITERS)
+    cores = f"; cores full: {wait:.1f} runnable processes wait for one" if wait >= 1.0 else ""
     if single[busiest] >= 0.85:
-        return f"{busiest} (CPU: {single[busiest]:.2f} core)"
+        return f"{busiest} (CPU: {single[busiest]:.2f} core){cores}"
     agg, tr = row.get("aggregator_backlog_mean", 0.0), row.get("trainer_backlog_mean", 0.0)
     group = row.get("group_size", 8)
     if agg >= group and agg >= tr * group:
-        return f"aggregator ({agg:.0f} samples queued, {single['aggregator']:.2f} core)"
+        return f"aggregator ({agg:.0f} samples queued, {single['aggregator']:.2f} core){cores}"
     if tr >= 1:
-        return f"trainer ({tr:.1f} groups queued, {single['trainer']:.2f} core)"
-    return f"none (keeps up; busiest {busiest} {single[busiest]:.2f} core)"
+        return f"trainer ({tr:.1f} groups queued, {single['trainer']:.2f} core){cores}"
+    offered = row.get("offered_samples_per_s")
+    if offered is None or row["samples_per_s"] < 0.8 * offered:
+        one = row.get("rollout_cpu_max_one", row.get("rollout_cpu", 0.0))
+        return f"rollout workers (nothing queued after them; busiest worker {one:.2f} core){cores}"
+    return f"none (keeps up; busiest {busiest} {single[busiest]:.2f} core){cores}"
 
 
 def table(doc: dict[str, Any]) -> str:
