@@ -86,9 +86,11 @@ def test_every_role_serves_its_metrics(tmp_path: Path, redis_url: str, run_name:
             for i in range(len(roles)):
                 try:
                     with urllib.request.urlopen(f"http://127.0.0.1:{base + i}/metrics", timeout=1) as r:
-                        scraped[i] = r.read().decode()
+                        page = r.read().decode()
                 except OSError:
-                    pass
+                    continue
+                if page:  # a role that is stopping can answer with nothing: that is no page
+                    scraped[i] = page
             time.sleep(0.05)
 
     t = threading.Thread(target=scrape, daemon=True)

@@ -74,8 +74,8 @@ def test_two_workers_with_separate_weight_dirs_load_every_version_over_http(
             extra = ["--worker-id", wid, f"rollout.weights_cache={cache}"]
             cluster.spawn("rollout", f"rollout-{i}", extra, launcher=[str(DENY), str(weights_a)])
         d = Driver(cluster, sr)
-        live = Keys(run_name).heartbeat_pattern()
-        d.until(lambda: len(sr.keys(live)) == 2, 180, "both rollout workers' heartbeats")
+        beats = [Keys(run_name).heartbeat(wid) for wid in caches]
+        d.until(lambda: sr.exists(*beats) == 2, 180, "both rollout workers' heartbeats")
         cluster.spawn("controller", "controller")
         d.finish(240)
     finally:
