@@ -150,11 +150,10 @@ class Aggregator:
             # other aggregators emit groups of the same steps: a group's FIFO position is read
             # again (SCARD emitted:k) once a batch, and is approximate when two shards emit at once
             self.emitted_count.clear()
+        pairs = {(ev.step, ev.group_id) for _, ev in decoded if isinstance(ev, Sample)}
         unseen = sorted(
-            {(ev.step, ev.group_id) for _, ev in decoded if isinstance(ev, Sample)}
-            - {(st, g) for st, ids in self.emitted_here.items() for g in ids}
+            (st, g) for st, g in pairs if g not in self.partial and g not in self.emitted_here.get(st, ())
         )
-        unseen = [(st, g) for st, g in unseen if g not in self.partial]
         for (st, g), emitted in zip(unseen, await self.b.emitted_among(unseen), strict=True):
             if emitted:
                 self.emitted_here.setdefault(st, set()).add(g)
