@@ -73,6 +73,10 @@ class RolloutRequest(Event):
     # The step's request count when the policy releases the whole step at once (FIFO): an engine
     # may then queue its share of it.  0: admit only into free slots (the policy orders admission).
     queue_share_of: int = 0
+    # The group's frontier rank (lower: needed sooner by the trainer).  An engine that queues
+    # requests admits lower values first, and one that preempts (vLLM's ``priority`` scheduling)
+    # preempts higher values first.  vLLM's convention: lower value, higher priority.
+    priority: int = 0
     released_at: float
     # A dataset that gives the prompt as a conversation: its chat messages ({"role", "content"}),
     # which an engine with a chat template encodes; ``prompt`` is then their contents, joined.
