@@ -159,24 +159,38 @@ def phase_trainer(a: argparse.Namespace) -> dict[str, Any]:
     seqs, length = a.train_seqs, a.train_seq_len
     ids = torch.randint(3, a.vocab, (seqs, length), device=dev)
 
-    def one() -> None:
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def fwd_bwd(x: Any) -> None:
+        model(input_ids=x, labels=x).loss.backward()
+
+    def timed(fn: Any, iters: int) -> float:
+        sync()
+        t = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync()
+        return (time.perf_counter() - t) / iters
+
+    for _ in range(2):  # warm-up: allocator, kernels, optimizer state
+        fwd_bwd(ids)
         opt.step()
         opt.zero_grad(set_to_none=True)
-
-    for _ in range(2):
-        one()
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(a.train_iters):
-        one()
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    dt = time.perf_counter() - t
-    tokens = seqs * length * a.train_iters
-    return {"tokens_per_s": tokens / dt, "train_tokens": tokens, "train_s": dt, "seq_len": length}
+    # forward+backward throughput (the trainer's tokens_per_s), without the optimizer step
+    per_call = timed(lambda: fwd_bwd(ids), a.train_iters)
+    # the optimizer step alone (AdamW over every parameter): optimizer_step_s
+    step_s = timed(opt.step, a.train_iters)
+    # the fixed cost of one call: a forward+backward of one short sequence, minus its tokens' share
+    tiny = ids[:1, :16]
+    small = timed(lambda: fwd_bwd(tiny), a.train_iters)
+    opt.zero_grad(set_to_none=True)
+    tokens_per_s = seqs * length / per_call
+    overhead = max(0.0, small - 16 / tokens_per_s)
+    return {"tokens_per_s": tokens_per_s, "train_tokens": seqs * length * a.train_iters,
+            "train_s": per_call * a.train_iters, "seq_len": length, "optimizer_step_s": step_s,
+            "call_overhead_s": overhead}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------- output
@@ -225,7 +239,8 @@ def render_yaml(res: dict[str, Any], a: argparse.Namespace) -> str:
         "  backend: emulated",
         "  emulated:",
         f"    tokens_per_s: {t['tokens_per_s']:.1f}",
-        "    logprob_pass_factor: 0.67",
+        f"    call_overhead_s: {t['call_overhead_s']:.6g}",
+        f"    optimizer_step_s: {t['optimizer_step_s']:.6g}",
         "    time_scale: 0.02",
     ]
     return "\n".join(lines) + "\n"
@@ -288,7 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     v, t = res["vllm"], res["trainer"]
     print(
         f"decode step = {v['decode_base_s'] * 1e3:.3f} ms + {v['decode_per_seq_s'] * 1e6:.2f} us x running; "
-        f"prefill {v['prefill_per_token_s'] * 1e6:.3f} us/token; trainer {t['tokens_per_s']:.0f} tokens/s"
+        f"prefill {v['prefill_per_token_s'] * 1e6:.3f} us/token; trainer {t['tokens_per_s']:.0f} tokens/s, "
+        f"call overhead {t['call_overhead_s'] * 1e3:.2f} ms, "
+        f"optimizer step {t['optimizer_step_s'] * 1e3:.2f} ms"
     )
     print(f"wrote {out} and {out.with_suffix('.json')} in {time.perf_counter() - t0:.0f} s")
     return 0

@@ -206,6 +206,9 @@ class EmulatedEngineConfig(_Section):
     time_scale: float = 0.05
     pass_rate_alpha: float = 1.0  # per-prompt pass rate ~ Beta(alpha, beta)
     pass_rate_beta: float = 1.0
+    # Order of the engine's own queue (requests beyond max_num_seqs), as vLLM's option of that
+    # name: "priority" admits lower ``RolloutRequest.priority`` (the frontier) first; "fcfs" by arrival.
+    scheduling_policy: Literal["fcfs", "priority"] = "priority"
 
 
 class VllmEngineConfig(_Section):
@@ -321,13 +324,26 @@ class ControllerConfig(_Section):
 
 
 class EmulatedTrainerConfig(_Section):
-    tokens_per_s: float = 40_000.0  # forward+backward throughput of the trainer pool
+    """What the emulated trainer charges: exactly the calls the configured real trainer makes.
+
+    The real trainer (``trainer.py``) makes one forward+backward call per group (both schedules)
+    and one optimizer step per mini-batch.  A group costs ``call_overhead_s`` plus its tokens x
+    passes / ``tokens_per_s``, where passes = 1 + ``forward_pass_cost`` per extra forward the loss
+    options configure (``backends.emulated_passes``); a mini-batch boundary costs
+    ``optimizer_step_s``.  Nothing else is charged.
+    """
+
+    tokens_per_s: float = Field(default=40_000.0, gt=0.0)  # forward+backward throughput of the trainer pool
     time_scale: float = 0.05
-    logprob_pass_factor: float = 0.0  # extra forward passes a slime-style step does, as a fraction
     # Cost of one forward-only pass over a token, as a fraction of its forward+backward (~1/3: the
     # backward costs about twice the forward).  Charged once per group for the reference model
     # (trainer.kl_coef > 0) and once for recomputed old logprobs (trainer.old_logprobs=recompute).
     forward_pass_cost: float = Field(default=1.0 / 3.0, ge=0.0)
+    # Fixed cost of one forward+backward call (one group): kernel launches, the Python around them,
+    # and moving the group to the device.  Emulated seconds.
+    call_overhead_s: float = Field(default=0.0, ge=0.0)
+    # One optimizer step (a mini-batch boundary): AdamW over every parameter, plus grad clipping.
+    optimizer_step_s: float = Field(default=0.0, ge=0.0)
 
 
 class DeepSpeedConfig(_Section):

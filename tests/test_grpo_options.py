@@ -357,7 +357,6 @@ def test_config_rejects(tmp_path: Path, overrides: tuple[str, ...], match: str) 
         (("trainer.old_logprobs=recompute",), 1.0 + 1 / 3),
         (("trainer.kl_coef=0.01", "trainer.old_logprobs=recompute"), 1.0 + 2 / 3),
         (("trainer.entropy_coef=0.01", "trainer.clip_high=0.28", "trainer.loss_agg=seq-mean-token-sum"), 1.0),
-        (("trainer.kl_coef=0.01", "trainer.emulated.logprob_pass_factor=0.5"), 1.5 + 1 / 3),
         (("trainer.old_logprobs=recompute", "trainer.emulated.forward_pass_cost=0.5"), 1.5),
     ],
 )
@@ -375,6 +374,27 @@ def test_emulated_trainer_charges_the_extra_forwards(
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in g.samples)
     backends.EmulatedBackend(cfg).accumulate(g)
     assert slept == [pytest.approx(tokens * passes / 1000 * 0.5)]
+
+
+def test_emulated_trainer_charges_a_call_overhead_per_group_and_an_optimizer_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each forward+backward call (one per group, as the real trainer makes) costs the overhead on
+    top of its tokens; each optimizer step costs ``optimizer_step_s``; nothing else is charged."""
+    from tests.test_codec import make_group
+
+    cfg = make_config(tmp_path, "e", "trainer.backend=emulated", "trainer.emulated.tokens_per_s=1000",
+                      "trainer.emulated.time_scale=0.5", "trainer.emulated.call_overhead_s=0.2",
+                      "trainer.emulated.optimizer_step_s=0.7")  # fmt: skip
+    slept: list[float] = []
+    monkeypatch.setattr(backends.time, "sleep", slept.append)
+    g = make_group()
+    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in g.samples)
+    be = backends.EmulatedBackend(cfg)
+    be.accumulate(g)
+    be.accumulate(g)
+    be.optimizer_step()
+    assert slept == [pytest.approx((0.2 + tokens / 1000) * 0.5)] * 2 + [pytest.approx(0.7 * 0.5)]
 
 
 # ---------------------------------------------------------------------------------------- end to end

@@ -164,32 +164,37 @@ def emulated_passes(cfg: Config) -> float:
     forward-only pass, the backward costing about twice the forward) for each extra forward the
     loss options need: the reference model when ``kl_coef > 0``, the version-k copy when old
     logprobs are recomputed; nothing for the other options (clipping, entropy, aggregation and TIS
-    reuse tensors the policy's forward already made).  ``logprob_pass_factor`` is an extra charge
-    on top, for forwards outside these options (the bench's model of slime's step).
+    reuse tensors the policy's forward already made).  Nothing is charged for a pass the
+    configured trainer does not make.
     """
     tc = cfg.trainer
     forwards = int(tc.kl_coef > 0) + int(recomputes(tc))
-    return 1.0 + tc.emulated.forward_pass_cost * forwards + tc.emulated.logprob_pass_factor
+    return 1.0 + tc.emulated.forward_pass_cost * forwards
+
+
+def emulated_group_s(cfg: Config, tokens: int) -> float:
+    """Emulated seconds the emulated trainer charges one group of ``tokens`` (prompt + response)."""
+    ec = cfg.trainer.emulated
+    return ec.call_overhead_s + tokens * emulated_passes(cfg) / ec.tokens_per_s
 
 
 class EmulatedBackend:
-    """Sleeps through the training time of the tokens it is given (benchmarks)."""
+    """Sleeps through the training time the configured real trainer would spend (benchmarks):
+    ``emulated_group_s`` a group, ``optimizer_step_s`` a mini-batch (``EmulatedTrainerConfig``)."""
 
     def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
         self.ec = cfg.trainer.emulated
-        self.passes = emulated_passes(cfg)
-
-    def _sleep_for_tokens(self, tokens: int, passes: float) -> None:
-        time.sleep(tokens * passes / self.ec.tokens_per_s * self.ec.time_scale)
 
     def begin_step(self, version: int) -> None:
         pass
 
     def accumulate(self, group: Group) -> None:
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in group.samples)
-        self._sleep_for_tokens(tokens, self.passes)
+        time.sleep(emulated_group_s(self.cfg, tokens) * self.ec.time_scale)
 
     def optimizer_step(self) -> dict[str, float]:
+        time.sleep(self.ec.optimizer_step_s * self.ec.time_scale)
         return {"loss": 0.0, "grad_norm": 0.0, "clipfrac": 0.0}
 
     def checkpoint_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:

@@ -499,6 +499,7 @@ class Controller:
             max_new_tokens=rc.max_new_tokens,
             temperature=rc.temperature,
             minibatch_hint=g.minibatch,
+            priority=g.priority,
             queue_share_of=share,
             released_at=time.time(),
             messages=list(p.messages),

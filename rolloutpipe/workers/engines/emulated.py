@@ -7,7 +7,12 @@ drawn from a long-tailed (log-normal) distribution truncated at ``max_response_t
 Emulated seconds are multiplied by ``time_scale`` and actually slept through.
 
 Between events (an arrival or a completion) the batch is constant, so the engine jumps straight
-to the next event instead of sleeping once per token.
+to the next event instead of sleeping once per token.  Prefill stalls the batch and is paid in
+full: an arrival that interrupts it leaves the rest to be paid before decoding resumes.
+
+Requests beyond ``max_num_seqs`` wait in the engine's queue.  ``scheduling_policy: priority``
+admits them by ``RolloutRequest.priority`` (lower first, then arrival), as vLLM's priority
+scheduler does; ``fcfs`` by arrival.  No KV-cache limit is modelled, so nothing is preempted.
 
 ``time_scale: 0`` is an instant engine: each request returns its response at once, with the same
 lengths, tokens and rewards, so a benchmark measures only the streaming path around the engine
@@ -45,6 +50,7 @@ class _Seq:
     done_tokens: float = 0.0
     prefill_left: float = 0.0  # emulated seconds of prefill still to pay
     started: float = field(default_factory=time.monotonic)
+    arrival: int = 0
 
 
 class EmulatedEngine:
@@ -56,6 +62,8 @@ class EmulatedEngine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.busy_s = 0.0  # wall seconds with at least one running sequence
+        self._arrivals = 0
+        self._prefill_due = 0.0  # emulated seconds of prefill the batch still has to stall for
 
     @property
     def capacity(self) -> int:
@@ -86,8 +94,14 @@ class EmulatedEngine:
             await self.start()
         fut: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
         seq = _Seq(
-            req, length, correct, fut, prefill_left=self.cfg.prefill_per_token_s * self.cfg.prompt_tokens
+            req,
+            length,
+            correct,
+            fut,
+            prefill_left=self.cfg.prefill_per_token_s * self.cfg.prompt_tokens,
+            arrival=self._arrivals,
         )
+        self._arrivals += 1
         self.waiting.append(seq)
         self._wake.set()
         return await fut
@@ -98,16 +112,20 @@ class EmulatedEngine:
     async def _loop(self) -> None:
         scale = self.cfg.time_scale
         while True:
-            while len(self.running) < self.cfg.max_num_seqs and self.waiting:
-                self.running.append(self.waiting.pop(0))
+            if len(self.running) < self.cfg.max_num_seqs and self.waiting:
+                if self.cfg.scheduling_policy == "priority":
+                    self.waiting.sort(key=lambda s: (s.req.priority, s.arrival))
+                while len(self.running) < self.cfg.max_num_seqs and self.waiting:
+                    self.running.append(self.waiting.pop(0))
             if not self.running:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             # Prefill of newly admitted sequences stalls the whole batch (as in a real engine).
-            prefill = sum(s.prefill_left for s in self.running)
             for s in self.running:
+                self._prefill_due += s.prefill_left
                 s.prefill_left = 0.0
+            prefill = self._prefill_due
             dt_tok = self._step_time(len(self.running))
             tokens_to_next = min(s.length - s.done_tokens for s in self.running)
             emu = prefill + dt_tok * max(tokens_to_next, 0.0)
@@ -117,6 +135,7 @@ class EmulatedEngine:
             await wait_event(self._wake, emu * scale)
             elapsed_emu = (time.monotonic() - t0) / scale
             self.busy_s += time.monotonic() - t0
+            self._prefill_due = max(0.0, prefill - elapsed_emu)  # an interrupted prefill is still owed
             advanced = max(0.0, elapsed_emu - prefill) / dt_tok
             still: list[_Seq] = []
             for s in self.running:

@@ -97,6 +97,13 @@ class GroupView:
     rewards: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     truncated: int = 0
+    # Frontier rank stamped on the group's requests (``RolloutRequest.priority``; lower: sooner).  The
+    # plan's mini-batch unless a policy ranks groups otherwise (it may set it before a release).
+    priority: int = -1
+
+    def __post_init__(self) -> None:
+        if self.priority < 0:
+            self.priority = self.minibatch
 
     @property
     def unreleased(self) -> int:
