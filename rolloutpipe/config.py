@@ -289,20 +289,24 @@ class ControllerConfig(_Section):
     group_size: int = 16
     minibatches: int = 2
     fgd_slack: int = 0  # extra requests admitted beyond free engine capacity in cgp-fgd
-    # cgp-fgd admits only groups of the next N mini-batches beyond those complete (0: no limit).
-    # An offline replay of the engine model (benchmarks/admission_oracle.py) put 3 at or above
-    # unlimited admission in every paper-suite setting; through the real system it beat FIFO cgp
-    # in 7 of 12 and lost in 5 rollout-bound ones (docs/benchmark.md).
-    fgd_lookahead: int = 3
-    # ...but only while training is long next to the rollout (previous step's training time /
-    # rollout makespan >= this; 0 = always).  CGP ends at about max(makespan, first group +
-    # training): with the first group ~1/4 into the rollout, starting training earlier pays off
-    # from a ratio of ~0.75, and the paper suite's measured gains start at 0.78.
-    fgd_window_min_train_ratio: float = 0.75
+    # FGD's frontier window (rolloutpipe/workers/policies/fgd.py): "auto" turns it on for a step when
+    # the last window-free step was training-bound (training > makespan - first group), "on" always,
+    # "off" never.  ``fgd_lookahead``: mini-batches that may be under way beyond those complete
+    # while it is on; None derives it each step (1 + ceil(makespan / training)).
+    fgd_window: Literal["auto", "on", "off"] = "auto"
+    fgd_lookahead: int | None = Field(default=None, ge=0)
+    # FGD orders the groups it starts by their prompts' response lengths in earlier epochs
+    # (critical long groups first, then shortest first); groups without history keep plan order.
+    fgd_length_aware: bool = True
     # Backpressure, a safety valve: no request is released while more than this many groups sit in
     # ``groups`` unacknowledged by the trainer (0 = off; else >= prompts_per_step, docs/operations.md).
     max_trainer_lag_groups: int = 0
     seed: int = 0
+
+    @field_validator("fgd_window", mode="before")
+    @classmethod
+    def _window_yaml(cls, v: Any) -> Any:
+        return {False: "off", True: "on"}.get(v, v) if isinstance(v, bool) else v  # YAML reads off as false
 
     @model_validator(mode="after")
     def _divisible(self) -> ControllerConfig:

@@ -21,17 +21,17 @@ def load_last_step(path: Path) -> dict[str, Any] | None:
     return json.loads(lines[-1]) if lines else None
 
 
-def plot_setting(setting_dir: Path, title: str) -> Path:
+def plot_setting(setting_dir: Path, title: str, modes: tuple[str, ...] = MODES) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    recs = {m: load_last_step(setting_dir / m / "timeline.jsonl") for m in MODES}
-    present = [m for m in MODES if recs[m]]
+    recs = {m: load_last_step(setting_dir / m / "timeline.jsonl") for m in modes}
+    present = [m for m in modes if recs[m]]
     horizon = max((recs[m]["train_end"] - recs[m]["step_start"]) for m in present) if present else 1.0  # type: ignore[index]
     fig, axes = plt.subplots(
-        len(present), 1, figsize=(11, 2.2 * len(present) + 0.6), sharex=True, squeeze=False
+        len(present), 1, figsize=(11, 2.4 * len(present) + 0.6), sharex=True, squeeze=False
     )
     cmap = plt.get_cmap("tab10")
     for ax, mode in zip(axes[:, 0], present, strict=True):
@@ -43,7 +43,7 @@ def plot_setting(setting_dir: Path, title: str) -> Path:
         for w in workers:
             events = []
             for g in rec["groups"]:
-                for sw, adm, fin in g["samples"]:
+                for sw, adm, fin, *_ in g["samples"]:
                     if sw == w:
                         events += [(adm - t0, 1), (fin - t0, -1)]
             events.sort()
@@ -56,12 +56,18 @@ def plot_setting(setting_dir: Path, title: str) -> Path:
             y0 = rows[w]
             ax.fill_between(xs, [y0] * len(xs), [y0 + 0.8 * y / peak for y in ys], step="post", alpha=0.6,
                             color="tab:blue", linewidth=0)  # fmt: skip
-        gy = n + 0.4
-        for g in rec["groups"]:
-            ax.vlines(
-                g["completed_at"] - t0, gy - 0.3, gy + 0.3, color=cmap(g["minibatch"] % 10), linewidth=1.2
-            )
-        ty = n + 1.2
+        # one line per group, from its first admission to its completion, in admission order and
+        # coloured by the mini-batch it fed: shows the admission order, the window's staircase and
+        # which groups the engines served first
+        gy, gh = n + 0.1, 1.0
+        spans = sorted((min(s[1] for s in g["samples"]) - t0, g["completed_at"] - t0, g["minibatch"])
+                       for g in rec["groups"])  # fmt: skip
+        for i, (a, b, mb) in enumerate(spans):
+            y = gy + gh * (i + 0.5) / max(1, len(spans))
+            ax.hlines(y, a, b, color=cmap(mb % 10), linewidth=0.8)
+            ax.plot([b], [y], marker="|", color=cmap(mb % 10), markersize=3)
+        gy += gh / 2
+        ty = n + 1.5
         busy = [(a - t0, b - a) for a, b in rec["busy"]]
         ax.broken_barh([(0, rec["train_end"] - t0)], (ty - 0.3, 0.6), facecolors="#eeeeee")
         ax.broken_barh(busy, (ty - 0.3, 0.6), facecolors="tab:green")
@@ -73,8 +79,9 @@ def plot_setting(setting_dir: Path, title: str) -> Path:
             f"{mode}: step {rec['step']}, ends {rec['train_end'] - t0:.2f} s", fontsize=9, loc="left"
         )
     axes[-1, 0].set_xlabel(
-        "wall seconds since the step's first admission (workers: sequences in flight; groups: completions "
-        "coloured by mini-batch; trainer: busy green, idle grey)",
+        "wall seconds since the step's first admission (workers: sequences in flight; groups: one line each, "
+        "admission to completion, in admission order, coloured by mini-batch; trainer: busy green, idle "
+        "grey)",
         fontsize=8,
     )
     fig.suptitle(title, fontsize=11)

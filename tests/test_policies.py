@@ -2,12 +2,13 @@
 
 Each test builds a ``StepView`` by hand, as the controller would after the events it names, and
 checks the policy's releases against an order worked out by hand from FGD's rule (groups under way
-first, then mini-batch order; no new group beyond ``lookahead`` mini-batches past the complete ones
-while the window is on).
+first, then mini-batch order or, with history, the length-aware order; no new group beyond
+``lookahead`` mini-batches past the complete ones while the window is on).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from rolloutpipe.config import ControllerConfig
 from rolloutpipe.errors import ConfigError
 from rolloutpipe.workers.policies import make_policy
-from rolloutpipe.workers.policies.base import GroupView, PrevStep, Release, StepInfo, StepView
+from rolloutpipe.workers.policies.base import GroupView, PrevStep, PromptRecord, Release, StepInfo, StepView
 from rolloutpipe.workers.policies.fgd import FrontierPolicy
 from rolloutpipe.workers.policies.fifo import FifoPolicy
 
@@ -97,26 +98,39 @@ def test_fgd_started_groups_go_before_earlier_unstarted_ones() -> None:
     assert p.admit(view, free=2) == [Release("1:5", 1), Release("1:0", 1)]
 
 
-def test_fgd_window_follows_the_training_to_rollout_ratio_of_the_last_free_step() -> None:
-    p = FrontierPolicy(cfg(fgd_lookahead=1, fgd_window_min_train_ratio=0.75))
-    p.plan(info(step=1, prev=PrevStep(0, train_busy_s=5.0, rollout_makespan_s=10.0)))
-    assert not p.window  # 0.5 < 0.75
-    p.plan(info(step=2, prev=PrevStep(1, train_busy_s=8.0, rollout_makespan_s=10.0)))
-    assert p.window  # 0.8 >= 0.75
-    # Step 2 ran with the window, so its makespan (stretched by the window) is not the reference:
-    # 8 / 10 (step 1's free makespan) is still >= 0.75, although 8 / 20 would not be.
-    p.plan(info(step=3, prev=PrevStep(2, train_busy_s=8.0, rollout_makespan_s=20.0)))
-    assert p.window
-    p.plan(info(step=4, prev=PrevStep(3, train_busy_s=7.0, rollout_makespan_s=20.0)))
-    assert not p.window  # 7 / 10 < 0.75
-    off = FrontierPolicy(cfg(fgd_lookahead=0))
+def test_fgd_window_is_on_when_the_last_free_step_was_training_bound() -> None:
+    """On iff training > makespan - first group, all measured in the last step without the window;
+    the lookahead is 1 + ceil(makespan / training)."""
+    p = FrontierPolicy(cfg())
+    p.plan(info(step=1, prev=None))
+    assert not p.window  # nothing measured yet
+    p.plan(info(step=2, prev=PrevStep(1, train_busy_s=7.0, rollout_makespan_s=10.0, first_group_s=2.0)))
+    assert not p.window  # 7 < 10 - 2: rollout-bound
+    p.plan(info(step=3, prev=PrevStep(2, train_busy_s=9.0, rollout_makespan_s=10.0, first_group_s=2.0)))
+    assert p.window and p.lookahead == 1 + math.ceil(10 / 9)  # 9 > 8: training-bound
+    # Step 3 ran with the window: its stretched makespan is not the reference, step 2's is.
+    p.plan(info(step=4, prev=PrevStep(3, train_busy_s=9.0, rollout_makespan_s=30.0, first_group_s=1.0)))
+    assert p.window and p.lookahead == 3
+    p.plan(info(step=5, prev=PrevStep(4, train_busy_s=7.5, rollout_makespan_s=30.0, first_group_s=1.0)))
+    assert not p.window  # 7.5 < 10 - 2
+    # a training-heavier step: 25 > 10 - 2, lookahead 1 + ceil(10 / 25) = 2
+    p.plan(info(step=6, prev=PrevStep(5, train_busy_s=25.0, rollout_makespan_s=10.0, first_group_s=2.0)))
+    assert p.window and p.lookahead == 2
+    off = FrontierPolicy(cfg(fgd_window="off"))
     off.plan(info(step=1, prev=PrevStep(0, train_busy_s=100.0, rollout_makespan_s=1.0)))
-    assert not off.window  # lookahead 0: never a window
+    assert not off.window
+    fixed = FrontierPolicy(cfg(fgd_window="on", fgd_lookahead=4))
+    fixed.plan(info(step=1))
+    assert fixed.window and fixed.lookahead == 4
+
+
+def training_bound() -> PrevStep:
+    return PrevStep(0, train_busy_s=10.0, rollout_makespan_s=10.0, first_group_s=1.0)
 
 
 def test_fgd_window_holds_new_groups_until_groups_complete() -> None:
     p = FrontierPolicy(cfg(fgd_lookahead=1))
-    inf = info(prev=PrevStep(0, train_busy_s=10.0, rollout_makespan_s=10.0))
+    inf = info(prev=training_bound())
     view = view_for(p, inf)  # 8 groups, 4 mini-batches of 2
     assert p.window
     rel = p.admit(view, free=100)
@@ -130,9 +144,83 @@ def test_fgd_window_holds_new_groups_until_groups_complete() -> None:
     assert p.admit(view, free=100) == [Release("1:2", 4), Release("1:3", 4)]
 
 
+def with_history(
+    view: StepView, lengths: dict[int, float], truncated: dict[int, float] | None = None
+) -> None:
+    """History records for some of the view's prompts: group i's prompt had mean length lengths[i]."""
+    hist: dict[int, list[PromptRecord]] = {}
+    for i, n in lengths.items():
+        g = view.groups[f"{view.step}:{i}"]
+        tr = (truncated or {}).get(i, 0.0)
+        hist[g.prompt_index] = [PromptRecord(view.step - 1, 4, 0.5, 0.5, 0.5, n, tr)]
+    view.history = hist
+
+
+def test_length_aware_fgd_starts_critical_groups_longest_first_then_the_rest_shortest_first() -> None:
+    """8 groups of 4 on 8 slots, every prompt seen before.  Work per slot = sum(mean x 4) / 8 =
+    (100+900+300+200+800+400+150+250) / 2 = 1,550: no group is critical yet, so shortest first."""
+    p = FrontierPolicy(cfg(fgd_window="off"))
+    view = view_for(p, info())
+    view.capacity = 8
+    with_history(view, {0: 100, 1: 900, 2: 300, 3: 200, 4: 800, 5: 400, 6: 150, 7: 250})
+    rel = p.admit(view, free=8)
+    assert rel == [Release("1:0", 4), Release("1:6", 4)]
+    apply(view, rel)
+    # A smaller pool: 2 slots.  Work left = (300+200+800+400+250+900) x 4 + 0.5 x (100+150) x 4 = 11,900;
+    # per slot 5,950 > every mean: still nothing critical.  Shrink the work instead: groups 1 and 4
+    # alone left, 2 slots: (900 + 800) x 4 / 2 = 3,400 > both.  With 8 slots: 850: group 1 (900) is
+    # critical and goes first, then 4 (800 < 850) as the shortest of the rest.
+    for gid in ("1:2", "1:3", "1:5", "1:7"):
+        view.groups[gid].released = view.groups[gid].completed = 4
+    view.groups["1:0"].completed = view.groups["1:6"].completed = 4
+    assert [r.group_id for r in p.admit(view, free=8)] == ["1:1", "1:4"]
+
+
+def test_length_aware_fgd_puts_long_groups_first_when_the_pool_is_small() -> None:
+    """1 slot: the work per slot exceeds no group's length only when little is left; with 8 groups
+    of mean 100..800 on 64 slots, work per slot = 4 x 3,600 / 64 = 225: groups of 300+ are
+    critical (longest first), then 100 and 200 shortest first."""
+    p = FrontierPolicy(cfg(fgd_window="off"))
+    view = view_for(p, info())
+    view.capacity = 64
+    with_history(view, {i: 100.0 * (i + 1) for i in range(8)})
+    order = [r.group_id for r in p.admit(view, free=64)]
+    assert order == ["1:7", "1:6", "1:5", "1:4", "1:3", "1:2", "1:0", "1:1"]
+
+
+def test_length_aware_fgd_keeps_plan_order_without_history_and_breaks_ties_by_truncation() -> None:
+    p = FrontierPolicy(cfg(fgd_window="off"))
+    view = view_for(p, info())
+    view.capacity = 1000
+    assert [r.group_id for r in p.admit(view, free=8)] == ["1:0", "1:1"]  # no history: plan order
+    view = view_for(p, info())
+    view.capacity = 1  # work per slot far above 50: nothing is critical
+    with_history(view, {3: 50, 5: 50}, truncated={3: 0.25})
+    # groups with history first (5 before 3: same mean, 3 was truncated), then the rest in plan order
+    assert [r.group_id for r in p.admit(view, free=16)] == ["1:5", "1:3", "1:0", "1:1"]
+    off = FrontierPolicy(cfg(fgd_window="off", fgd_length_aware=False))
+    view = view_for(off, info())
+    with_history(view, {3: 50, 5: 50})
+    assert [r.group_id for r in off.admit(view, free=8)] == ["1:0", "1:1"]
+
+
+def test_fgd_stamps_each_started_group_with_its_frontier_rank() -> None:
+    """The k-th group started gets priority k // groups-per-mini-batch, whatever its plan position."""
+    p = FrontierPolicy(cfg(fgd_window="off"))
+    view = view_for(p, info())
+    view.capacity = 1  # nothing critical: shortest first
+    with_history(view, {7: 10, 6: 20, 5: 30})
+    apply(view, p.admit(view, free=12))  # 1:7, 1:6, 1:5
+    assert [view.groups[f"1:{i}"].priority for i in (7, 6, 5)] == [0, 0, 1]
+    apply(view, p.admit(view, free=8))  # then 1:0, 1:1 in plan order
+    assert view.groups["1:0"].priority == 1 and view.groups["1:1"].priority == 2
+
+
 def test_make_policy_by_name_by_path_and_bad_names() -> None:
     assert isinstance(make_policy(cfg(policy="fifo")), FifoPolicy)
     assert isinstance(make_policy(cfg(policy="fgd", policy_args={"lookahead": 2})), FrontierPolicy)
+    with pytest.raises(ConfigError, match="auto, on or off"):
+        make_policy(cfg(policy="fgd", policy_args={"window": "sometimes"}))
     assert isinstance(
         make_policy(cfg(policy="rolloutpipe.workers.policies.fgd:FrontierPolicy")), FrontierPolicy
     )
@@ -168,7 +256,7 @@ def test_fgd_window_does_not_count_skipped_groups_as_under_way() -> None:
     """A skipped group never reaches the trainer: counted as under way, it would hold the window
     shut for good (a refill could never start)."""
     p = FrontierPolicy(cfg(fgd_lookahead=1))
-    view = view_for(p, info(prev=PrevStep(0, train_busy_s=10.0, rollout_makespan_s=10.0)))
+    view = view_for(p, info(prev=training_bound()))
     apply(view, p.admit(view, free=100))  # mini-batch 0's two groups
     for gid in ("1:0", "1:1"):
         view.groups[gid].status = "skipped"  # both skipped; nothing emitted

@@ -87,7 +87,10 @@ class StepClock:
                 "minibatch": g.frontier.minibatch,
                 "completed_at": g.completed_at,
                 "read_at": read_at,
-                "samples": [[s.worker, s.admitted_at, s.finished_at] for s in g.samples],
+                "samples": [
+                    [s.worker, s.admitted_at, s.finished_at, len(s.prompt_ids), len(s.response_ids)]
+                    for s in g.samples
+                ],
             }
         )
         self.rewards.extend(s.reward for s in g.samples)

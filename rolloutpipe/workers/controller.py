@@ -214,7 +214,9 @@ class Controller:
             group_size=self.cc.group_size,
             minibatches=self.cc.minibatches,
             n_prompts=len(self.prompts),
-            prev=None if prev is None else PrevStep(prev.step, prev.train_busy_s, prev.rollout_makespan_s),
+            prev=None
+            if prev is None
+            else PrevStep(prev.step, prev.train_busy_s, prev.rollout_makespan_s, prev.first_group_s),
             history=self.history,
         )
 

@@ -49,6 +49,7 @@ class PrevStep:
     step: int
     train_busy_s: float
     rollout_makespan_s: float
+    first_group_s: float = 0.0
 
 
 @dataclass(frozen=True)
