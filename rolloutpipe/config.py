@@ -225,6 +225,12 @@ class VllmEngineConfig(_Section):
     enforce_eager: bool = False  # True skips CUDA-graph capture (faster start, slower decode)
     enable_prefix_caching: bool = True  # the G samples of a prompt share its prefill
     kv_cache_space_gib: float = 1.0  # CPU backend only: VLLM_CPU_KVCACHE_SPACE
+    # vLLM's scheduling policy.  "priority": each request goes in with its group's frontier rank
+    # (``RolloutRequest.priority``), so frontier groups' sequences are admitted first from vLLM's
+    # waiting queue and, when the KV cache runs out, are not the ones preempted (vLLM preempts the
+    # largest value first).  Priority never changes a sample's tokens.  "fcfs": vLLM's default,
+    # arrival order; every request goes in with priority 0.
+    scheduling_policy: Literal["fcfs", "priority"] = "priority"
     extra_args: dict[str, Any] = Field(default_factory=dict)  # more AsyncEngineArgs, passed through
 
 

