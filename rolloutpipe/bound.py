@@ -26,6 +26,13 @@ from the step's first admission:
    the mean, so the last sample completes no earlier than ``W = (N*(c + a/S) + R*p) / E``.  The
    group it belongs to is then trained (at least ``min tau``) and an optimizer step follows.
    Likewise the group holding the longest sample: ``r_max + tau of that group + o``.
+2b. **The engine that decodes the longest sample** (a sample never moves between engines) takes
+   at least L_max decode steps and at least N_1/S, and pays ``c`` for each of its N_1 tokens:
+   ``T_1 >= a*max(L_max, N_1/S) + c*N_1 + p``, increasing in N_1 >= L_max; the other E - 1
+   engines share the other tokens: their mean is at least ``(N - N_1)*(c + a/S)/(E - 1)``,
+   decreasing in N_1.  Whatever N_1 a schedule picks, the rollout lasts at least the larger of the
+   two, so at least ``min over N_1 of max(T_1, T_rest)`` (found by bisection on the crossing,
+   taking the safe side of the final bracket); then a group and a step, as in 2.
 3. **The trainer's work.**  Sort groups by r_g.  The groups with r_g >= r_(k) (n - k + 1 of them)
    can all start training only after r_(k), and they fill at least ``ceil((n-k+1)/gpm)``
    mini-batches whose optimizer steps come after their groups: the step ends no earlier than
@@ -74,7 +81,7 @@ class Bound:
     """Wall seconds.  ``r2t`` is the bound; the others are its terms, for the table's reader."""
 
     r2t: float
-    rollout_work: float  # term 2, work share of the pool (+ a group + a step)
+    rollout_work: float  # terms 2 and 2b, the pool's work (+ a group + a step)
     longest: float  # term 2, the longest sample alone (+ its group + a step)
     trainer: float  # term 3
     train_busy: float  # the trainer's total work
@@ -93,6 +100,7 @@ def r2t_bound(groups: Sequence[Sequence[tuple[int, int]]], eng: EngineModel, tr:
     n_tokens = sum(rt for g in groups for _, rt in g)
     n_req = sum(len(g) for g in groups)
     work = (n_tokens * (c + a / eng.slots) + n_req * p) / eng.engines * es
+    work = max(work, split_work(n_tokens, max(rt for g in groups for _, rt in g), eng) * es)
     rollout_work = work + min(tau) + o
     longest_g = max(range(len(groups)), key=lambda i: (ready[i], -tau[i]))
     longest = ready[longest_g] + min(tau[i] for i in range(len(groups)) if ready[i] == ready[longest_g]) + o
@@ -104,6 +112,27 @@ def r2t_bound(groups: Sequence[Sequence[tuple[int, int]]], eng: EngineModel, tr:
         trainer = max(trainer, ready[order[k]] + tail + math.ceil((n - k) / gpm) * o)
     busy = sum(tau) + math.ceil(n / gpm) * o
     return Bound(max(rollout_work, longest, trainer), rollout_work, longest, trainer, busy)
+
+
+def split_work(n_tokens: int, longest: int, eng: EngineModel) -> float:
+    """Claim 2b: min over N_1 in [longest, n_tokens] of max(T_1(N_1), T_rest(N_1)), emulated s."""
+    a, c, p, S, E = eng.decode_base_s, eng.decode_per_seq_s, eng.prefill_s, eng.slots, eng.engines
+
+    def t1(n1: float) -> float:
+        return a * max(longest, n1 / S) + c * n1 + p
+
+    def rest(n1: float) -> float:
+        return (n_tokens - n1) * (c + a / S) / (E - 1) if E > 1 else (math.inf if n1 < n_tokens else 0.0)
+
+    lo, hi = float(longest), float(n_tokens)
+    if t1(lo) >= rest(lo):
+        return t1(lo)
+    for _ in range(100):  # t1 - rest is increasing: t1(lo) < rest(lo), t1(hi) >= rest(hi)
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t1(mid) < rest(mid) else (lo, mid)
+    # every N_1 <= lo gives >= rest(lo) >= rest(hi); every N_1 >= hi gives >= t1(hi) >= t1(lo); in
+    # between, >= max(t1(lo), rest(hi)): so the minimum is at least that
+    return max(t1(lo), rest(hi))
 
 
 def wait_ratio_bound(train_busy_s: float, r2t_bound_s: float) -> float:

@@ -270,3 +270,15 @@ def test_fifo_late_releases_like_fifo_but_without_engine_queues() -> None:
     assert isinstance(late, LateFifoPolicy)
     assert late.admit(view_for(late, info()), free=0) == fifo.admit(view_for(fifo, info()), free=0)
     assert fifo.engine_queue and not late.engine_queue  # requests carry queue_share_of 0: slots only
+
+
+def test_under_the_window_length_aware_fgd_fills_shortest_first() -> None:
+    """With the window on, the pool is held back on purpose: no group is critical, and the window's
+    groups are the shortest predicted ones (the same history on 64 slots without the window would
+    start the long groups first, see the test above)."""
+    p = FrontierPolicy(cfg(fgd_window="on", fgd_lookahead=1))
+    view = view_for(p, info())
+    view.capacity = 64
+    with_history(view, {i: 100.0 * (8 - i) for i in range(8)})  # group 7 shortest
+    assert p.window
+    assert [r.group_id for r in p.admit(view, free=64)] == ["1:7", "1:6"]  # one mini-batch of 2

@@ -91,6 +91,9 @@ class FrontierPolicy(BasePolicy):
         self.lookahead = self.fixed_lookahead or 0
         self.window_on: dict[int, bool] = {}
         self.free: tuple[float, float, float] | None = None  # (T, M, F) of the last window-free step
+        self._ranked_for: tuple[int, int, int] = (-1, -1, -1)
+        self._ranked: list[str] = []
+        self._pred: dict[str, tuple[float, float]] = {}
 
     def plan(self, info: StepInfo) -> list[GroupSpec]:
         self.window = self.use_window(info)
@@ -145,6 +148,22 @@ class FrontierPolicy(BasePolicy):
                 break
         return out
 
+    def ranked(self, view: StepView) -> tuple[list[str], dict[str, tuple[float, float]]]:
+        """The step's groups with history, shortest predicted first, and their predictions.
+
+        Computed once a step (and again when the policy adds a group): the history of this step's
+        prompts comes from earlier steps, so it does not change while the step runs, and ``admit``
+        is called whenever a slot frees."""
+        if self._ranked_for != (id(view), view.step, len(view.groups)):
+            pred = {
+                g.group_id: predicted_length(view.history.get(g.prompt_index)) for g in view.groups.values()
+            }
+            self._pred = {gid: p for gid, p in pred.items() if p is not None}
+            order = {g.group_id: g.order for g in view.groups.values()}
+            self._ranked = sorted(self._pred, key=lambda gid: (self._pred[gid], order[gid]))
+            self._ranked_for = (id(view), view.step, len(view.groups))
+        return self._ranked, self._pred
+
     def order(self, view: StepView) -> list[GroupView]:
         """Groups with requests to release: those under way first, then those not started."""
         todo = [g for g in view.groups.values() if g.unreleased]
@@ -152,31 +171,26 @@ class FrontierPolicy(BasePolicy):
         fresh = sorted((g for g in todo if not g.started), key=lambda g: (g.minibatch, g.order))
         if not self.length_aware:
             return under_way + fresh
-        pred = {g.group_id: predicted_length(view.history.get(g.prompt_index)) for g in view.groups.values()}
-        known = [g for g in fresh if pred[g.group_id] is not None]
+        ranked, pred = self.ranked(view)
+        known = [
+            view.groups[gid] for gid in ranked if not view.groups[gid].started and view.groups[gid].unreleased
+        ]
         if not known:
             return under_way + fresh
-        lengths = [p[0] for p in pred.values() if p is not None]
-        mean = sum(lengths) / len(lengths)
+        mean = sum(p[0] for p in pred.values()) / len(pred)
 
         def tokens(g: GroupView) -> float:  # predicted tokens of one of its requests
-            p = pred[g.group_id]
+            p = pred.get(g.group_id)
             return mean if p is None else p[0]
 
         work = sum(tokens(g) * g.unreleased for g in todo)
         work += sum(0.5 * tokens(g) * max(0, g.released - g.completed) for g in view.groups.values())
         per_slot = work / max(1, view.capacity)
-
-        def key(g: GroupView) -> tuple[float, float]:
-            p = pred[g.group_id]
-            assert p is not None
-            return p
-
-        # under the window the step is training-bound and the pool is held back on purpose: the
-        # makespan rule does not apply, the window is filled shortest first
-        critical = [] if self.window else [g for g in known if key(g)[0] >= per_slot]
-        critical.sort(key=key, reverse=True)
-        chosen = {g.group_id for g in critical}
-        rest = sorted((g for g in known if g.group_id not in chosen), key=lambda g: (key(g), g.order))
-        unknown = [g for g in fresh if pred[g.group_id] is None]
-        return under_way + critical + rest + unknown
+        # critical: a suffix of the ascending ``known``; under the window the step is training-bound
+        # and the pool is held back on purpose, so the makespan rule does not apply
+        cut = len(known)
+        if not self.window:
+            while cut > 0 and pred[known[cut - 1].group_id][0] >= per_slot:
+                cut -= 1
+        unknown = [g for g in fresh if g.group_id not in pred]
+        return under_way + known[cut:][::-1] + known[:cut] + unknown
