@@ -1,4 +1,4 @@
-"""``rolloutpipe bench``: the same workload in ``sync``, ``cgp`` and ``cgp-fgd``, side by side.
+"""``rolloutpipe bench``: the same workload in ``sync``, ``cgp``, ``cgp-fgd`` and controls, side by side.
 
 Each (setting, mode) is a separate run (own stream namespace) on one Redis, with real role
 processes, the emulated engine and the emulated trainer.  Every figure comes from observed
@@ -12,6 +12,7 @@ stamped by the trainer.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 import time
@@ -60,16 +61,20 @@ MODE_SPECS: dict[str, list[str]] = {
     "fgd-no-window": ["controller.mode=cgp-fgd", "controller.fgd_window=off"],
 }
 DEFAULT_MODES = ("sync", "cgp", "cgp-late", "cgp-fgd")
-T95 = {1: 12.71, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+# Student's t, 97.5th percentile, by degrees of freedom (1.96 only beyond 30)
+T95 = {1: 12.71, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+       11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+       20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048,
+       29: 2.045, 30: 2.042}  # fmt: skip
 
 
 def interval(xs: list[float]) -> tuple[float, float, float]:
     """Mean and 95% t-interval of ``xs`` (paired per-step figures, so step-to-step workload
-    differences cancel); a single value has no interval."""
+    differences cancel); a single value has no interval (infinitely wide: never "beyond" it)."""
     n = len(xs)
     m = statistics.fmean(xs)
     if n < 2:
-        return m, m, m
+        return m, -math.inf, math.inf
     h = T95.get(n - 1, 1.96) * statistics.stdev(xs) / n**0.5
     return m, m - h, m + h
 
@@ -132,6 +137,8 @@ def derive(setting: dict[str, Any]) -> None:
 def pct(iv: Any) -> str:
     """A reduction as a change: -30.1% [-33.0, -27.2]."""
     m, lo, hi = iv
+    if not math.isfinite(lo):
+        return f"{-m:+.1%} [n/a]"
     return f"{-m:+.1%} [{-hi * 100:+.1f}, {-lo * 100:+.1f}]"
 
 
@@ -305,7 +312,7 @@ def run_bench(
         extra.append(f"controller.steps={steps}")
     if scale is not None:
         extra += [f"rollout.emulated.time_scale={scale}", f"trainer.emulated.time_scale={scale}"]
-    modes: tuple[str, ...] = tuple(MODE_SPECS)
+    modes: tuple[str, ...] = DEFAULT_MODES
     if suite:
         base, settings, modes = load_suite(suite)
         settings = [(n, [*o, *extra]) for n, o in settings]

@@ -298,7 +298,8 @@ class ControllerConfig(_Section):
     # FGD's frontier window (rolloutpipe/workers/policies/fgd.py): "auto" turns it on for a step when
     # the last window-free step was training-bound (training > makespan - first group), "on" always,
     # "off" never.  ``fgd_lookahead``: mini-batches that may be under way beyond those complete
-    # while it is on; None derives it each step (1 + ceil(makespan / training)).
+    # while it is on; None derives it each step under "auto" (1 + ceil(makespan / training)), and is 1
+    # under "on".
     fgd_window: Literal["auto", "on", "off"] = "auto"
     fgd_lookahead: int | None = Field(default=None, ge=0)
     # FGD orders the groups it starts by their prompts' response lengths in earlier epochs

@@ -31,7 +31,7 @@ def plot_setting(setting_dir: Path, title: str, modes: tuple[str, ...] = MODES) 
     present = [m for m in modes if recs[m]]
     horizon = max((recs[m]["train_end"] - recs[m]["step_start"]) for m in present) if present else 1.0  # type: ignore[index]
     fig, axes = plt.subplots(
-        len(present), 1, figsize=(11, 2.4 * len(present) + 0.6), sharex=True, squeeze=False
+        len(present), 1, figsize=(11, 2.8 * len(present) + 0.6), sharex=True, squeeze=False
     )
     cmap = plt.get_cmap("tab10")
     for ax, mode in zip(axes[:, 0], present, strict=True):
@@ -59,7 +59,7 @@ def plot_setting(setting_dir: Path, title: str, modes: tuple[str, ...] = MODES) 
         # one line per group, from its first admission to its completion, in admission order and
         # coloured by the mini-batch it fed: shows the admission order, the window's staircase and
         # which groups the engines served first
-        gy, gh = n + 0.1, 1.0
+        gy, gh = n + 0.1, 1.8
         spans = sorted((min(s[1] for s in g["samples"]) - t0, g["completed_at"] - t0, g["minibatch"])
                        for g in rec["groups"])  # fmt: skip
         for i, (a, b, mb) in enumerate(spans):
@@ -67,7 +67,7 @@ def plot_setting(setting_dir: Path, title: str, modes: tuple[str, ...] = MODES) 
             ax.hlines(y, a, b, color=cmap(mb % 10), linewidth=0.8)
             ax.plot([b], [y], marker="|", color=cmap(mb % 10), markersize=3)
         gy += gh / 2
-        ty = n + 1.5
+        ty = n + 2.3
         busy = [(a - t0, b - a) for a, b in rec["busy"]]
         ax.broken_barh([(0, rec["train_end"] - t0)], (ty - 0.3, 0.6), facecolors="#eeeeee")
         ax.broken_barh(busy, (ty - 0.3, 0.6), facecolors="tab:green")

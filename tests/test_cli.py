@@ -67,18 +67,24 @@ def test_make_demo_command_line_scores_held_out(tmp_path: Path, model_cache: str
     assert (out / "report.png").stat().st_size > 1000
 
 
-def test_bench_compares_three_modes(tmp_path: Path) -> None:
+def test_bench_compares_the_modes_and_the_control(tmp_path: Path) -> None:
     out = tmp_path / "bench"
-    p = _rp("bench", "--out", str(out), "--steps", "2", "--no-progress", *EMULATED_FAST)
+    p = _rp("bench", "--out", str(out), "--steps", "3", "--no-progress", *EMULATED_FAST)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())
     (setting,) = res["settings"]
-    assert set(setting["modes"]) == {"sync", "cgp", "cgp-fgd"}
-    assert setting["ideal_bound_s"] > 0
+    modes = ("sync", "cgp", "cgp-late", "cgp-fgd")
+    assert tuple(setting["modes"]) == modes
+    assert setting["steps"] == [1, 2]  # step 0 is the warm-up
+    assert 0 < setting["bound_s"] < setting["modes"]["sync"]["rollout_to_train_end_s"]
     for m in setting["modes"].values():
         assert m["rollout_to_train_end_s"] > 0 and 0 <= m["trainer_wait_ratio"] <= 1
-    for mode in ("sync", "cgp", "cgp-fgd"):
+        assert m["bound_violations"] == 0
+        mean, lo, hi = m["reduction_vs_sync"]
+        assert lo <= mean <= hi
+    for mode in modes:
         assert f"| {mode} |" in p.stdout
+    assert "true bound" in p.stdout
 
 
 @pytest.mark.parametrize(

@@ -282,3 +282,14 @@ def test_under_the_window_length_aware_fgd_fills_shortest_first() -> None:
     with_history(view, {i: 100.0 * (8 - i) for i in range(8)})  # group 7 shortest
     assert p.window
     assert [r.group_id for r in p.admit(view, free=64)] == ["1:7", "1:6"]  # one mini-batch of 2
+
+
+def test_allocation_policies_keep_the_plan_order_and_refuse_length_aware() -> None:
+    """VIGOR, Pilot-Commit and dynamic sampling decide per plan mini-batch: a length-aware order
+    across mini-batches could leave a window full of groups whose mini-batches never complete."""
+    for name in ("vigor", "pilot-commit", "dynamic-sampling"):
+        p: Any = make_policy(cfg(policy=name))
+        assert not p.length_aware
+        with pytest.raises(ConfigError, match="length_aware must stay off"):
+            make_policy(cfg(policy=name, policy_args={"length_aware": True}))
+    assert make_policy(cfg(policy="fgd")).length_aware  # type: ignore[attr-defined]

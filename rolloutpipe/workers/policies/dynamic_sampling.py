@@ -54,6 +54,7 @@ def has_signal(g: GroupView) -> bool:
 
 
 class DynamicSamplingPolicy(FrontierPolicy):
+    REORDERS = False  # decides per plan mini-batch: keeps the plan's order
     changes_groups = True
     OWN = ("oversample", "max_refills")
 

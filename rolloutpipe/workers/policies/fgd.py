@@ -8,8 +8,8 @@ benchmark:
 **Length-aware order** (``fgd_length_aware``).  A group completes with its slowest sample, and in
 reasoning RL a prompt's response lengths recur from one epoch to the next.  With a history record
 for a prompt (its last group's mean response length and truncated share, from the feedback path),
-a group's predicted length is that mean, and a group that was truncated ranks as the longest.
-Among groups not started:
+a group's predicted length is that mean (a truncated sample counts at the cap), with the truncated
+share to break ties.  Among groups not started:
 
 * *critical* groups start first, longest first: a group whose predicted length is at least the
   work still to do per slot (the predicted tokens of every unreleased request, plus half those of
@@ -30,6 +30,9 @@ groups pays only when the step is training-bound: training T > makespan M - firs
 lookahead is ``1 + ceil(M / T)``: the trainer takes T/K per mini-batch and the pool, at full
 throughput, makes one every M/K, so ceil(M/T) mini-batches must be under way beyond the one the
 trainer waits for.  ``fgd_lookahead`` fixes it instead.
+
+Allocation policies built on this class (VIGOR, Pilot-Commit, dynamic sampling) decide per plan
+mini-batch, so they keep the plan's order: for them ``length_aware`` is off and may not be set.
 
 Every started group's requests carry its frontier rank (started order // groups per mini-batch) as
 ``priority``: an engine that queues or preempts serves lower ranks first.
@@ -71,6 +74,9 @@ class FrontierPolicy(BasePolicy):
     history = 1  # the last group of each prompt: its lengths predict the next one's
 
     OWN: tuple[str, ...] = ()  # a subclass's own policy_args, handed to it in ``self.args``
+    # May the order cross the plan's mini-batches?  Not for a policy that decides per plan
+    # mini-batch (it would wait on groups a window never starts).
+    REORDERS = True
     ARGS = ("lookahead", "slack", "window", "length_aware")
 
     def __init__(self, cfg: ControllerConfig, **args: Any) -> None:
@@ -86,7 +92,11 @@ class FrontierPolicy(BasePolicy):
         self.window_mode = {False: "off", True: "on"}.get(mode, mode) if isinstance(mode, bool) else str(mode)
         if self.window_mode not in ("auto", "on", "off"):
             raise ConfigError(f"fgd window must be auto, on or off, not {self.window_mode!r}")
-        self.length_aware = bool(args.get("length_aware", cfg.fgd_length_aware))
+        if "length_aware" in args and args["length_aware"] and not self.REORDERS:
+            raise ConfigError(
+                f"{type(self).__name__} decides per plan mini-batch: length_aware must stay off"
+            )
+        self.length_aware = bool(args.get("length_aware", cfg.fgd_length_aware)) and self.REORDERS
         self.window = False
         self.lookahead = self.fixed_lookahead or 0
         self.window_on: dict[int, bool] = {}

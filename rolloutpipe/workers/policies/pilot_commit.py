@@ -48,6 +48,7 @@ from rolloutpipe.workers.policies.vigor import reward_variance
 
 
 class PilotCommitPolicy(FrontierPolicy):
+    REORDERS = False  # decides per plan mini-batch: keeps the plan's order
     changes_groups = True  # skipped prompts leave the step
     OWN = ("n_pilot", "n_commit", "min_pass_rate", "max_pass_rate", "commit_frac")
 

@@ -55,6 +55,7 @@ def reward_variance(g: GroupView) -> float:
 
 
 class VigorPolicy(FrontierPolicy):
+    REORDERS = False  # decides per plan mini-batch: keeps the plan's order
     OWN = ("n0", "budget", "round", "top_frac")
 
     def __init__(self, cfg: ControllerConfig, **args: Any) -> None:
