@@ -115,7 +115,7 @@ def plot_timeline(timeline: list[dict[str, Any]], out: Path, steps: int = TIMELI
     cmap = plt.get_cmap("tab10")
     fig, ax = plt.subplots(figsize=(13, 1.0 + 0.45 * (n + 2)))
     for i, w in enumerate(workers):
-        iv = [(a - t0, b - t0) for r in recs for g in r["groups"] for sw, a, b in g["samples"] if sw == w]
+        iv = [(a - t0, b - t0) for r in recs for g in r["groups"] for sw, a, b, *_ in g["samples"] if sw == w]
         xs, ys = _in_flight(iv)
         peak = max(ys, default=1) or 1
         ax.fill_between(xs, [i] * len(xs), [i + 0.8 * y / peak for y in ys], step="post", alpha=0.6,

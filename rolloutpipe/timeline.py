@@ -79,9 +79,8 @@ def plot_setting(setting_dir: Path, title: str, modes: tuple[str, ...] = MODES) 
             f"{mode}: step {rec['step']}, ends {rec['train_end'] - t0:.2f} s", fontsize=9, loc="left"
         )
     axes[-1, 0].set_xlabel(
-        "wall seconds since the step's first admission (workers: sequences in flight; groups: one line each, "
-        "admission to completion, in admission order, coloured by mini-batch; trainer: busy green, idle "
-        "grey)",
+        "wall seconds since the step's first admission\nworkers: sequences in flight; groups: one line each, "
+        "admission to completion, in admission order, coloured by mini-batch; trainer: busy green, idle grey",
         fontsize=8,
     )
     fig.suptitle(title, fontsize=11)
