@@ -234,6 +234,21 @@ class VllmEngineConfig(_Section):
     extra_args: dict[str, Any] = Field(default_factory=dict)  # more AsyncEngineArgs, passed through
 
 
+class MigrationConfig(_Section):
+    """Long-tail migration (``workers/policies/migration.py``; docs/architecture.md, "Migration")."""
+
+    # Off by default: it needs an engine that can preempt (emulated, transformers, vllm), and
+    # each move costs the target a prefill of prompt + partial response.
+    enabled: bool = False
+    check_s: float = Field(default=0.2, gt=0)  # how often a worker looks at the pool's load
+    # "Most of the pool is idle": at least this share of the live workers' slots is free.
+    idle_share: float = Field(default=0.5, ge=0, le=1)
+    # A request is moved only after it has run this long on this worker (a just-started one is
+    # as cheap to leave where it is); a request runs in at most ``max_segments`` segments.
+    min_run_s: float = Field(default=0.05, ge=0)
+    max_segments: int = Field(default=4, ge=1)
+
+
 class RolloutConfig(_Section):
     engine: Literal["transformers", "emulated", "vllm"] = "transformers"
     engine_plugin: str = ""  # dotted path to an Engine factory; overrides ``engine``
@@ -273,6 +288,7 @@ class RolloutConfig(_Section):
     weights_cache_keep: int = Field(default=2, ge=0)
     vllm: VllmEngineConfig = Field(default_factory=VllmEngineConfig)
     emulated: EmulatedEngineConfig = Field(default_factory=EmulatedEngineConfig)
+    migration: MigrationConfig = Field(default_factory=MigrationConfig)
 
     @field_validator("weights_url")
     @classmethod

@@ -334,21 +334,23 @@ def pretty_segments(d: Decoded) -> list[tuple[str, str]]:
         (f"step {ev.step} v{ev.policy_version}", ""),
     ]
     for text in _details(ev):
-        segs.append(("  " + text, "bold" if text.startswith("frontier") else ""))
+        segs.append(("  " + text, "bold" if text.startswith(("frontier", "MIGRATED")) else ""))
     return segs
 
 
 def _details(ev: Event) -> list[str]:
     if isinstance(ev, RolloutRequest):
+        moved = [f"MIGRATED: segment {ev.segment}, resumes after {ev.prefix_ids.size} tok of {ev.origin}"]
         return [
             f"group {ev.group_id} sample {ev.sample_index}",
+            *(moved if ev.segment else []),
             f"prompt {ev.prompt!r} answer {ev.answer!r}",
             f"mb_hint {ev.minibatch_hint}",
         ]
     if isinstance(ev, Sample):
         return [
             f"group {ev.group_id} sample {ev.sample_index}",
-            f"worker {ev.worker}",
+            f"worker {ev.worker}" + (f" (last of {ev.segments} segments)" if ev.segments > 1 else ""),
             f"reward {ev.reward:g}",
             f"response {ev.response_ids.size} tok ({ev.finish_reason})",
             f"took {ev.finished_at - ev.admitted_at:.3f}s",
@@ -497,7 +499,8 @@ def _workers(r: redis.Redis, k: Keys, now: float) -> list[dict[str, Any]]:
     for wid, raw, ttl in sorted(live_heartbeats_sync(r, k)):  # the run's registry, no SCAN
         try:
             hb = json.loads(raw)
-            info = {f: hb.get(f) for f in ("capacity", "inflight", "version", "samples", "pid", "host")}
+            fields = ("capacity", "inflight", "version", "samples", "migrations", "pid", "host")
+            info = {f: hb.get(f) for f in fields}
             info["heartbeat_age_s"] = round(now - float(hb["t"]), 3)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             info = {"error": f"bad heartbeat: {e}"}
@@ -554,6 +557,8 @@ def _current_step(r: redis.Redis, k: Keys, version: dict[str, Any] | None) -> di
         "groups_skipped": sum(1 for a in allocs.values() if a.status == "skipped"),
         "samples_discarded": _int(r.hget(k.stats, f"discarded_samples:{step}")),
         "samples_finished": _int(r.get(k.finished(step))),
+        "migrations": _int(r.hget(k.stats, f"migrations:{step}")),  # requests moved mid-decode
+        "migrated_tokens": _int(r.hget(k.stats, f"migrated_tokens:{step}")),
         "groups_emitted": emitted,
         "groups_consumed": int(r.scard(k.consumed(step))),  # written when the step's training ends
         "state": "trained" if trained else ("rolling out" if frontier else "training"),
@@ -631,6 +636,8 @@ def render_status(st: dict[str, Any]) -> str:
             f"progress        requests {s['requests_released']}/{s['requests_total']} released, "
             f"{s['samples_finished']} finished; groups {s['groups_emitted']}/{s['groups']} emitted, "
             f"{s['groups_consumed']} consumed",
+            f"migration       {s['migrations']} requests moved mid-decode, "
+            f"{s['migrated_tokens']} tokens re-prefilled on their new workers",
             f"allocation      {s['group_sizes']}; {s['groups_closed']} closed, "
             f"{s['groups_skipped']} skipped, "
             f"{s['samples_discarded']} samples discarded",
@@ -646,7 +653,17 @@ def render_status(st: dict[str, Any]) -> str:
     ]
     if consumers:
         lines += ["", *_table(("consumer", "stream", "group", "pending", "idle_s"), consumers)]
-    wcols = ("capacity", "inflight", "version", "samples", "host", "pid", "heartbeat_age_s", "ttl_s")
+    wcols = (
+        "capacity",
+        "inflight",
+        "version",
+        "samples",
+        "migrations",
+        "host",
+        "pid",
+        "heartbeat_age_s",
+        "ttl_s",
+    )
     rows = [
         (w["id"], w["error"], *[""] * (len(wcols) - 1)) if "error" in w else (w["id"], *(w[c] for c in wcols))
         for w in st["workers"]

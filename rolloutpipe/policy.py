@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -42,7 +42,7 @@ def build_tokenizer() -> Any:
 
 
 class PickToken(Protocol):
-    def __call__(self, i: int, last: torch.Tensor) -> tuple[int, float]: ...
+    def __call__(self, i: int, t: int, last: torch.Tensor) -> tuple[int, float]: ...
 
 
 class TextCodec(Protocol):
@@ -193,11 +193,19 @@ def warm_start(model: torch.nn.Module, cfg: ModelConfig) -> None:
 
 
 def decode_batch(
-    model: torch.nn.Module, prompts: list[np.ndarray], max_new: list[int], eos: int, pick: PickToken
+    model: torch.nn.Module,
+    prompts: list[np.ndarray],
+    max_new: list[int],
+    eos: int,
+    pick: PickToken,
+    should_stop: Callable[[int, bool], bool] | None = None,
 ) -> tuple[list[list[int]], list[list[float]]]:
-    """Autoregressive decoding of a batch, without a KV cache (the model is tiny): ``pick(i, logits)``
-    chooses request i's next token from its last logits and returns it with its logprob.  A request
-    stops at EOS or after ``max_new[i]`` tokens.  Returns the token ids and their logprobs."""
+    """Autoregressive decoding of a batch, without a KV cache (the model is tiny): ``pick(i, t, logits)``
+    chooses request i's token number t (0-based, in this call) from its last logits and returns it
+    with its logprob.  A request stops at EOS or after ``max_new[i]`` tokens.  ``should_stop(i, last)``
+    (``last``: the token just picked would end the request) is asked, possibly from another thread's
+    flag, before each picked token is kept: True drops that token and stops request i with the tokens
+    it had (a preemption); the rest of the batch goes on.  Returns the token ids and their logprobs."""
     import torch
 
     resp: list[list[int]] = [[] for _ in prompts]
@@ -210,24 +218,46 @@ def decode_batch(
             logits = model(input_ids=ids, attention_mask=mask).logits.float()
             still = []
             for row, i in enumerate(active):
-                tok, lp = pick(i, logits[row, len(seqs[row]) - 1])
+                tok, lp = pick(i, len(resp[i]), logits[row, len(seqs[row]) - 1])
+                last = tok == eos or len(resp[i]) + 1 >= max_new[i]
+                if should_stop is not None and should_stop(i, last):
+                    continue
                 resp[i].append(tok)
                 lps[i].append(lp)
-                if tok != eos and len(resp[i]) < max_new[i]:
+                if not last:
                     still.append(i)
             active = still
     return resp, lps
 
 
-def sampler(temperatures: list[float], seeds: list[int]) -> PickToken:
-    """Sampling at each request's temperature from its own seeded generator (reproducible)."""
+def _draw_seed(seed: int, t: int) -> int:
+    """A 64-bit seed for (request seed, response position): splitmix64 of the pair."""
+    z = (seed * 0x9E3779B97F4A7C15 + t + 0x632BE59BD9B4E019) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)
+
+
+def sampler(temperatures: list[float], seeds: list[int], offsets: Sequence[int] = ()) -> PickToken:
+    """Sampling at each request's temperature, reproducibly: the draw for response position
+    ``offsets[i] + t`` (``offsets``: tokens already in the response, e.g. a migrated prefix; 0 by
+    default) is a pure function of (seed, position, logits) -- a generator seeded from the pair at
+    each position -- so a continuation draws what the unmigrated request would have.  Temperature
+    <= 0 is greedy: the argmax, with its logprob under the untempered (T=1) log-softmax."""
     import torch
 
-    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    gen = torch.Generator()
+    offs = list(offsets) or [0] * len(seeds)
 
-    def pick(i: int, last: torch.Tensor) -> tuple[int, float]:
-        logp = torch.log_softmax(last / temperatures[i], dim=-1)
-        tok = int(torch.multinomial(logp.exp(), 1, generator=gens[i]).item())
+    def pick(i: int, t: int, last: torch.Tensor) -> tuple[int, float]:
+        temp = temperatures[i]
+        if temp <= 0:
+            logp = torch.log_softmax(last, dim=-1)
+            tok = int(torch.argmax(logp).item())
+            return tok, float(logp[tok])
+        logp = torch.log_softmax(last / temp, dim=-1)
+        gen.manual_seed(_draw_seed(seeds[i], offs[i] + t))
+        tok = int(torch.multinomial(logp.exp(), 1, generator=gen).item())
         return tok, float(logp[tok])
 
     return pick

@@ -177,7 +177,7 @@ def test_packed_arrays_are_little_endian_int32_and_float32() -> None:
     assert s["prompt_ids"] == b"\x01\x00\x00\x00\x02\x00\x00\x00\x70\x11\x01\x00"
     assert s["response_ids"] == np.asarray([-1, 5], "<i4").tobytes()
     assert s["logprobs"] == np.asarray([-0.5, -1.25], "<f4").tobytes()
-    assert isinstance(s["reward"], float) and raw["schema_version"] == SCHEMA_VERSION == 2
+    assert isinstance(s["reward"], float) and raw["schema_version"] == SCHEMA_VERSION == 3
 
 
 def _reject(obj: dict[str, Any], match: str) -> None:
@@ -190,7 +190,8 @@ def test_schema_version_and_unknown_fields_are_checked() -> None:
     DEFAULT_CODEC.decode(msgpack.packb(raw, use_bin_type=True))  # the untouched map decodes
     _reject({k: v for k, v in raw.items() if k != "schema_version"}, "unsupported schema_version None")
     _reject({**raw, "schema_version": 1}, "older RolloutPipe")
-    _reject({**raw, "schema_version": 3}, "unsupported schema_version 3")
+    _reject({**raw, "schema_version": 2}, "older RolloutPipe")
+    _reject({**raw, "schema_version": 4}, "unsupported schema_version 4")
     _reject({**raw, "colour": "red"}, "colour: Extra inputs are not permitted")
     _reject({**raw, "frontier": {**raw["frontier"], "x": 1}}, r"frontier\.x: Extra inputs")
     _reject({**raw, "kind": "grupo"}, "does not match any of the expected tags")

@@ -12,7 +12,8 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, model_validator
 
-SCHEMA_VERSION = 2  # 2: per-group sample counts (GroupPlan, Allocation, StepSeal, GroupStats); no mode
+SCHEMA_VERSION = 3  # 3: a request may resume a migrated one (prefix_ids, prefix_logprobs, segment, origin)
+# 2: per-group sample counts (GroupPlan, Allocation, StepSeal, GroupStats); no mode
 
 
 def _packer(dtype: str) -> tuple[BeforeValidator, PlainSerializer]:
@@ -85,6 +86,29 @@ class RolloutRequest(Event):
     # the row's ``data_source`` and its metadata (verl's ``extra_info``, slime's ``metadata``).
     data_source: str = ""
     extra_info: dict[str, Any] = Field(default_factory=dict)
+    # Long-tail migration (``docs/architecture.md``, "Migration").  A request preempted while
+    # decoding is put back as a *continuation*: the same request, with the response so far as
+    # ``prefix_ids`` and the behaviour logprobs of those tokens as ``prefix_logprobs``.  An engine
+    # resumes after prompt + prefix, on the same policy version and seed, and returns the whole
+    # response (prefix included); ``max_new_tokens`` still bounds the whole response (an engine
+    # handed a prefix that already fills it returns the prefix as a "length" response).  ``segment``
+    # counts the preemptions so far, ``origin`` is the ``requests`` entry id of segment 0 (the key
+    # under which the request's sample goes out once) and ``admitted_at`` when segment 0 started.
+    prefix_ids: Int32Array = Field(default_factory=lambda: np.zeros(0, np.int32))
+    prefix_logprobs: Float32Array = Field(default_factory=lambda: np.zeros(0, np.float32))
+    segment: int = Field(default=0, ge=0)
+    origin: str = ""
+    admitted_at: float = 0.0
+
+    @model_validator(mode="after")
+    def _prefix_consistent(self) -> RolloutRequest:
+        if len(self.prefix_logprobs) != len(self.prefix_ids):
+            raise ValueError(f"{len(self.prefix_logprobs)} prefix logprobs for {len(self.prefix_ids)} tokens")
+        if (self.segment == 0) != (not self.origin):
+            raise ValueError(
+                "a continuation (segment > 0) names its origin entry, and only a continuation does"
+            )
+        return self
 
 
 class Sample(Event):
@@ -107,6 +131,9 @@ class Sample(Event):
     released_at: float = 0.0  # when the controller released the request (admission latency)
     admitted_at: float
     finished_at: float
+    # How many workers generated it: 1, or 1 + the times it was migrated (its response and
+    # logprobs are still one trajectory's: each continuation resumed after the previous segments).
+    segments: int = Field(default=1, ge=1)
 
     @model_validator(mode="after")
     def _one_logprob_per_token(self) -> Sample:

@@ -118,6 +118,31 @@ else
 end
 return result
 """
+# Long-tail migration (``Broker.migrate``): a preempted request's continuation onto ``requests``
+# in one script run on the run's slot.
+#   KEYS: ops:{k}, requests, migrated:{k}, finished:{k}:ids, stats
+#   ARGV: token, consumer group, entry (the preempted segment), origin (segment 0's entry),
+#         continuation payload, step, tokens carried, maxlen
+# The entry is acknowledged whatever happens (its work moves on, or it is done).  The
+# continuation goes out only if the request is not finished (``finished:{k}:ids`` lacks its
+# origin) and this entry was never migrated before (``SADD migrated:{k}``).  Returns the
+# continuation's entry id, or '0' when nothing was put back.  Like ``ONCE_LUA``, a resend with
+# the same token returns the first result and changes nothing.
+MIGRATE_LUA = """
+local done = redis.call('HGET', KEYS[1], ARGV[1])
+if done then return done end
+redis.call('XACK', KEYS[2], ARGV[2], ARGV[3])
+local result = '0'
+if redis.call('SISMEMBER', KEYS[4], ARGV[4]) == 0 and redis.call('SADD', KEYS[3], ARGV[3]) == 1 then
+  result = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[8], '*', 'd', ARGV[5])
+  redis.call('HINCRBY', KEYS[5], 'migrations', 1)
+  redis.call('HINCRBY', KEYS[5], 'migrations:' .. ARGV[6], 1)
+  redis.call('HINCRBY', KEYS[5], 'migrated_tokens', ARGV[7])
+  redis.call('HINCRBY', KEYS[5], 'migrated_tokens:' .. ARGV[6], ARGV[7])
+end
+redis.call('HSET', KEYS[1], ARGV[1], result)
+return result
+"""
 OP_TTL_S = 3600  # a step-less write's token outlives any retry (``connect``: ~30 s) by far
 _CHUNK = 1000  # ids per SADD/XACK inside the script (Lua's unpack has a stack limit)
 
@@ -280,11 +305,16 @@ class Keys:
         """Set of group ids closed or skipped: their outstanding requests are aborted."""
         return f"{self.prefix}closed:{step}"
 
+    def migrated(self, step: int) -> str:
+        """Set of the ``requests`` entry ids of step k that were preempted and put back as a
+        continuation (each entry at most once: ``Broker.migrate``)."""
+        return f"{self.prefix}migrated:{step}"
+
     def step_keys(self, step: int) -> list[str]:
         """Every per-step key (trimmed once the step is old)."""
         return [self.plan(step), self.emitted(step), self.released(step), self.released_ids(step),
                 self.finished(step), self.finished_ids(step), self.consumed(step), self.alloc(step),
-                self.closed(step), self.ops(step)]  # fmt: skip
+                self.closed(step), self.ops(step), self.migrated(step)]  # fmt: skip
 
     def heartbeat(self, worker: str) -> str:
         return f"{self.prefix}worker:{worker}"
@@ -687,13 +717,15 @@ class Broker:
         counter: str = "dead_letters",
         ack_group: str | None = None,
         finished: bool = False,
+        origin: str = "",
     ) -> None:
         """Write to ``dlq`` with a reason and count it.  Never silent.
 
         With ``ack_group`` the entry is acknowledged in the same transaction, so it is either still
         pending (and will be looked at again) or dead-lettered, never both or neither.  With
         ``finished`` (a request a worker drops) the step's ``finished`` counter counts it too, unless
-        the request was counted already.  Applied once, even when its reply is lost and it is retried.
+        the request was counted already (under ``origin`` for a migrated request's continuation).
+        Applied once, even when its reply is lost and it is retried.
         """
         dl = DeadLetter(
             run=self.run,
@@ -715,7 +747,7 @@ class Broker:
             if step >= 0:
                 op.cmd("HINCRBY", self.keys.stats, f"{name}:{step}", 1)
         if finished and step >= 0 and entry is not None:  # a request dropped by a worker frees its slot
-            op.cmd("SADD", self.keys.finished_ids(step), entry.id, mode="g")
+            op.cmd("SADD", self.keys.finished_ids(step), origin or entry.id, mode="g")
             op.cmd("INCRBY", self.keys.finished(step), 1)
         await op.execute()
         metrics.DEAD_LETTERS.labels(self.role).inc()
@@ -873,17 +905,41 @@ class Broker:
         """Requests of ``step`` whose sample was published (the workers' counter)."""
         return int(await self.r.get(self.keys.finished(step)) or 0)
 
-    async def publish_sample(self, sample: Sample, request_entry: str) -> None:
+    async def publish_sample(self, sample: Sample, request_entry: str, origin: str = "") -> None:
         """The request acknowledged, and its sample out and counted in ``finished:k``, atomically.
 
-        A request's sample goes out at most once (``finished:k:ids`` holds its entry id): a retry
-        whose first reply was lost, or a request redone after it was reclaimed, adds nothing.
+        A request's sample goes out at most once (``finished:k:ids`` holds its entry id, or for a
+        continuation its ``origin``, segment 0's entry id): a retry whose first reply was lost, a
+        request redone after it was reclaimed, or one segment of a migrated request finished twice
+        adds nothing.
         """
         k = self.keys
         op = self.once(sample.step).xack(k.requests, Groups.ROLLOUT, [request_entry])
-        op.cmd("SADD", k.finished_ids(sample.step), request_entry, mode="g")
+        op.cmd("SADD", k.finished_ids(sample.step), origin or request_entry, mode="g")
         op.xadd(self.sample_stream(sample.group_id), self.encode(sample))
         await op.cmd("INCRBY", k.finished(sample.step), 1).execute()
+
+    async def migrate(self, request_entry: str, cont: RolloutRequest) -> str:
+        """Put a preempted request back on ``requests`` as its continuation ``cont``, once.
+
+        In one script run (``MIGRATE_LUA``): ``request_entry`` acknowledged, ``cont`` added (only
+        if the request is not finished and this entry was never migrated), and counted
+        (``migrations``, ``migrated_tokens``).  Either the entry is still pending (its worker was
+        killed before this ran: it is reclaimed and redone from its own prefix) or its continuation
+        is on ``requests``, never both or neither.  Workers blocked on ``requests`` are idle, and
+        Redis hands the continuation to one of them at once.  Returns the continuation's entry id,
+        or ``""`` when nothing was put back (the request was done already).
+        """
+        k, step = self.keys, cont.step
+        keys = [k.ops(step), k.requests, k.migrated(step), k.finished_ids(step), k.stats]
+        one_slot(k, keys)
+        token, payload = uuid.uuid4().hex, self.encode(cont)
+        args: list[str | bytes | int] = [token, Groups.ROLLOUT, request_entry, cont.origin, payload, step,
+                                         len(cont.prefix_ids), self.maxlen]  # fmt: skip
+        out = _s(await self.r.eval(MIGRATE_LUA, len(keys), *keys, *args))
+        if out != "0":
+            metrics.BROKER_EVENTS.labels(self.role, "migrations").inc()
+        return "" if out == "0" else out
 
     async def write_allocation(self, alloc: Allocation) -> None:
         """The decision on record (``alloc:k``), its news to the aggregator, and a close mark: together,

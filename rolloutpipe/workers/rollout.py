@@ -9,6 +9,11 @@
   taken over with XAUTOCLAIM by a live one.
 * Weights are switched only to a verified version, and only between steps; requests still
   generating then are finished on the old weights or aborted (``rollout.on_new_version``).
+* Long-tail migration (``rollout.migration``): when most of the pool is idle, a worker preempts
+  some of its longest-running requests (``policies/migration.py`` decides which) and puts each
+  back on ``requests`` as a continuation with its partial response (``Broker.migrate``); an idle
+  worker resumes it on the same policy version.  While handing back, this worker reads nothing,
+  so the continuations go to workers blocked on ``requests``, i.e. idle ones.
 """
 
 from __future__ import annotations
@@ -24,9 +29,11 @@ from rolloutpipe import metrics
 from rolloutpipe.broker.events import RolloutRequest, Sample
 from rolloutpipe.broker.streams import Broker, Entry, Groups, connect
 from rolloutpipe.config import Config
-from rolloutpipe.errors import WeightsFetchError, WeightsVerificationError
+from rolloutpipe.errors import ConfigError, WeightsFetchError, WeightsVerificationError
 from rolloutpipe.runtime import close_client, wait_event
 from rolloutpipe.workers.engines import Engine, make_engine
+from rolloutpipe.workers.engines.base import Generation
+from rolloutpipe.workers.policies import migration
 from rolloutpipe.workers.reward import ScoreInput, Scorer
 from rolloutpipe.workers.weights_fetch import make_fetcher
 
@@ -53,6 +60,10 @@ class RolloutWorker:
         self._closed: dict[int, tuple[float, set[str]]] = {}  # step -> (read at, closed group ids)
         self.slot_freed = asyncio.Event()  # set when a request leaves the engine (``run`` waits on it)
         self.fetcher = make_fetcher(cfg.rollout, broker.run)  # None: engines read pv.path (shared storage)
+        self.admitted: dict[str, float] = {}  # entry id -> when this worker admitted it (monotonic)
+        self.preempting: set[str] = set()  # entry ids preempted and not yet handed back or done
+        self.reading = False  # inside a blocking read of ``requests``
+        self.migrations = 0
 
     async def admission_limit(self) -> int:
         """Requests this worker may hold: engine slots, plus an engine-side queue when the step allows.
@@ -75,10 +86,12 @@ class RolloutWorker:
         ttl = max(1, int(rc.heartbeat_s * 3 + 0.999))
         while not stop.is_set():
             info = {
+                "id": self.id,
                 "capacity": self.engine.capacity,
                 "inflight": len(self.inflight),
                 "version": self.version,
                 "samples": self.samples,
+                "migrations": self.migrations,
                 "pid": os.getpid(),
                 "host": socket.gethostname(),
                 "t": time.time(),
@@ -125,7 +138,14 @@ class RolloutWorker:
         and counted as finished, so the controller sees its engine slot free again."""
         v = req.policy_version
         await self.b.dead_letter(
-            entry, why, step=req.step, policy_version=v, counter=counter, ack_group=GROUP, finished=True
+            entry,
+            why,
+            step=req.step,
+            policy_version=v,
+            counter=counter,
+            ack_group=GROUP,
+            finished=True,
+            origin=req.origin,
         )
 
     async def ensure_version(self, want: int, stop: asyncio.Event) -> bool:
@@ -187,6 +207,9 @@ class RolloutWorker:
             if self.version != req.policy_version:
                 await self.drop(entry, req, f"weights changed to {self.version} during generation")
                 return
+            if gen.finish_reason == "preempted":
+                await self.hand_back(entry, req, gen, admitted)
+                return
             score = await self.scorer.score(
                 ScoreInput(gen.text, req.answer, req.prompt, req.data_source, req.extra_info)
             )
@@ -212,10 +235,11 @@ class RolloutWorker:
                 finish_reason=gen.finish_reason,
                 temperature=req.temperature,
                 released_at=req.released_at,
-                admitted_at=admitted,
+                admitted_at=req.admitted_at or admitted,
                 finished_at=time.time(),
+                segments=req.segment + 1,
             )
-            await self.b.publish_sample(sample, entry.id)
+            await self.b.publish_sample(sample, entry.id, origin=req.origin)
             self.samples += 1
             metrics.SAMPLES.labels("rollout").inc()
             metrics.GENERATION.observe(sample.finished_at - admitted)
@@ -230,8 +254,63 @@ class RolloutWorker:
         finally:
             self.inflight.pop(entry.id, None)
             self.inflight_reqs.pop(entry.id, None)
+            self.admitted.pop(entry.id, None)
+            self.preempting.discard(entry.id)  # handed back, or finished or dropped after all
             self.slot_freed.set()
             metrics.INFLIGHT.set(len(self.inflight))
+
+    async def hand_back(self, entry: Entry, req: RolloutRequest, gen: Generation, admitted: float) -> None:
+        """A preempted request back on ``requests`` as its continuation (``Broker.migrate``)."""
+        cont = req.model_copy(
+            update={
+                "prefix_ids": gen.response_ids,
+                "prefix_logprobs": gen.logprobs,
+                "segment": req.segment + 1,
+                "origin": req.origin or entry.id,
+                "admitted_at": req.admitted_at or admitted,
+            }
+        )
+        for _ in range(int(self.cfg.redis.block_ms / 5) + 2):  # let a blocking read end first
+            if not self.reading:
+                break
+            await asyncio.sleep(0.005)
+        new_id = await self.b.migrate(entry.id, cont)
+        if new_id:
+            self.migrations += 1
+            metrics.BROKER_EVENTS.labels("rollout", "migrated_tokens").inc(len(gen.response_ids))
+            log.info(
+                "request %s handed back after %d tokens (segment %d -> %s)",
+                req.request_id,
+                len(gen.response_ids),
+                req.segment,
+                new_id,
+            )
+
+    async def migrate_loop(self, stop: asyncio.Event) -> None:
+        """Every ``check_s``: preempt what ``policies/migration.choose`` picks from the pool's load."""
+        mc = self.cfg.rollout.migration
+        preempt = getattr(self.engine, "preempt", None)
+        assert preempt is not None
+        while not stop.is_set():
+            await wait_event(stop, mc.check_s)
+            if stop.is_set() or not self.inflight or self.preempting:
+                continue
+            others = []
+            for w in await self.b.live_workers():
+                with contextlib.suppress(KeyError, TypeError, ValueError):
+                    if w["id"] != self.id:
+                        others.append(migration.Load(str(w["id"]), int(w["capacity"]), int(w["inflight"])))
+            now = time.monotonic()
+            running = [
+                migration.Running(req.request_id, now - self.admitted.get(eid, now), req.segment)
+                for eid, (_, req) in self.inflight_reqs.items()
+                if eid in self.inflight and not self.inflight[eid].done()
+            ]
+            me = migration.Load(self.id, self.engine.capacity, len(self.inflight))
+            by_request = {req.request_id: eid for eid, (_, req) in self.inflight_reqs.items()}
+            for rid in migration.choose(me, others, running, mc):
+                if preempt(rid):
+                    self.preempting.add(by_request[rid])
 
     async def admit(self, entry: Entry, stop: asyncio.Event) -> None:
         ev = await self.b.decode_or_dlq(entry, GROUP, (RolloutRequest,))
@@ -253,6 +332,7 @@ class RolloutWorker:
             )
             return
         self.queue_share_of = ev.queue_share_of
+        self.admitted[entry.id] = time.monotonic()
         self.inflight_reqs[entry.id] = (entry, ev)
         self.inflight[entry.id] = asyncio.create_task(self.handle(entry, ev))
         metrics.INFLIGHT.set(len(self.inflight))
@@ -261,8 +341,14 @@ class RolloutWorker:
         rc = self.cfg.rollout
         await self.b.check_shards()
         await self.b.ensure_group(self.k.requests, GROUP)
+        if rc.migration.enabled and not callable(getattr(self.engine, "preempt", None)):
+            raise ConfigError(
+                f"rollout.migration.enabled needs an engine that can preempt a request (emulated, "
+                f"transformers, vllm); {type(self.engine).__name__} has no preempt()"
+            )
         await self.engine.start()
         hb = asyncio.create_task(self.heartbeat(stop))
+        mig = asyncio.create_task(self.migrate_loop(stop)) if rc.migration.enabled else None
         # own pending entries first (a restarted worker with the same id), then new ones
         backlog = await self.b.read(self.k.requests, GROUP, self.id, count=10_000, block_ms=1, start="0")
         last_claim = last_done_check = 0.0
@@ -289,14 +375,21 @@ class RolloutWorker:
                     if entries:
                         log.warning("worker %s reclaimed %d abandoned requests", self.id, len(entries))
                         await self.b.incr("reclaimed_requests", by=len(entries))
+                if not entries and self.preempting:  # let idle workers take the continuations
+                    await asyncio.sleep(0.005)
+                    continue
                 if not entries:
-                    entries = await self.b.read(
-                        self.k.requests,
-                        GROUP,
-                        self.id,
-                        count=min(free, self.cfg.rollout.read_batch),
-                        block_ms=self.cfg.redis.block_ms,
-                    )
+                    self.reading = True
+                    try:
+                        entries = await self.b.read(
+                            self.k.requests,
+                            GROUP,
+                            self.id,
+                            count=min(free, self.cfg.rollout.read_batch),
+                            block_ms=self.cfg.redis.block_ms,
+                        )
+                    finally:
+                        self.reading = False
                 for e in entries:
                     await self.admit(e, stop)
         finally:
@@ -305,6 +398,8 @@ class RolloutWorker:
                 t.cancel()
             await asyncio.gather(*self.inflight.values(), return_exceptions=True)
             await hb
+            if mig is not None:
+                await mig
             await self.engine.close()
             self.scorer.close()
             if self.fetcher is not None:

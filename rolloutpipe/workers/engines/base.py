@@ -16,7 +16,7 @@ class Generation:
     response_ids: np.ndarray
     logprobs: np.ndarray  # behaviour logprobs of the sampled tokens, float32
     text: str
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "preempted" (see Engine.preempt)
 
 
 class Engine(Protocol):
@@ -27,10 +27,25 @@ class Engine(Protocol):
 
     async def start(self) -> None: ...
 
-    async def generate(self, req: RolloutRequest) -> Generation: ...
+    async def generate(self, req: RolloutRequest) -> Generation:
+        """The whole response to ``req``.  A continuation (``req.prefix_ids`` not empty) resumes after
+        prompt + prefix; its Generation holds the prefix and what followed, with the prefix's
+        logprobs as given, and at most ``req.max_new_tokens`` tokens in all."""
+        ...
 
     async def load_weights(self, pv: PolicyVersion) -> None:
         """Load published weights after verifying their sha256; raise on mismatch."""
         ...
 
     async def close(self) -> None: ...
+
+
+class Preemptible(Protocol):
+    """An engine that can hand a running request back mid-decode, for long-tail migration."""
+
+    def preempt(self, request_id: str) -> bool:
+        """Stop ``request_id`` at its next token boundary: its ``generate`` then returns the response
+        so far (prefix included) with ``finish_reason="preempted"``, which a continuation resumes
+        token for token (greedy; sampled: on the same seed, as far as the engine allows).  False
+        when the request is not running here (queued, unknown or finished): nothing changes."""
+        ...

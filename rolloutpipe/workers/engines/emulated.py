@@ -12,7 +12,14 @@ full: an arrival that interrupts it leaves the rest to be paid before decoding r
 
 Requests beyond ``max_num_seqs`` wait in the engine's queue.  ``scheduling_policy: priority``
 admits them by ``RolloutRequest.priority`` (lower first, then arrival), as vLLM's priority
-scheduler does; ``fcfs`` by arrival.  No KV-cache limit is modelled, so nothing is preempted.
+scheduler does; ``fcfs`` by arrival.  No KV-cache limit is modelled, so nothing is preempted
+for memory.
+
+Long-tail migration: :meth:`EmulatedEngine.preempt` stops a running sequence at the end of
+its last whole token and returns the response so far (``finish_reason="preempted"``).  A
+continuation (``RolloutRequest.prefix_ids``) is the same trajectory (its length and tokens are
+functions of the request id) resumed after the prefix, and it pays what vLLM pays to resume
+without a KV cache to move: the prefill of prompt + prefix, at ``prefill_per_token_s``.
 
 ``time_scale: 0`` is an instant engine: each request returns its response at once, with the same
 lengths, tokens and rewards, so a benchmark measures only the streaming path around the engine
@@ -51,6 +58,7 @@ class _Seq:
     prefill_left: float = 0.0  # emulated seconds of prefill still to pay
     started: float = field(default_factory=time.monotonic)
     arrival: int = 0
+    preempt: bool = False
 
 
 class EmulatedEngine:
@@ -93,18 +101,29 @@ class EmulatedEngine:
         if self._task is None:
             await self.start()
         fut: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
+        resumed = len(req.prefix_ids)
         seq = _Seq(
             req,
             length,
             correct,
             fut,
-            prefill_left=self.cfg.prefill_per_token_s * self.cfg.prompt_tokens,
+            done_tokens=float(min(resumed, length)),
+            prefill_left=self.cfg.prefill_per_token_s * (self.cfg.prompt_tokens + resumed),
             arrival=self._arrivals,
         )
         self._arrivals += 1
         self.waiting.append(seq)
         self._wake.set()
         return await fut
+
+    def preempt(self, request_id: str) -> bool:
+        """Stop a running request at its last whole token (``Preemptible``); False if not running."""
+        for s in self.running:
+            if s.req.request_id == request_id and not s.fut.done():
+                s.preempt = True
+                self._wake.set()  # the loop accounts the tokens decoded so far, then hands it back
+                return True
+        return False
 
     def _step_time(self, batch: int) -> float:
         return self.cfg.decode_base_s + self.cfg.decode_per_seq_s * batch
@@ -142,6 +161,8 @@ class EmulatedEngine:
                 s.done_tokens += advanced
                 if s.done_tokens >= s.length - 1e-6:
                     self._finish(s)
+                elif s.preempt:
+                    self._hand_back(s)
                 else:
                     still.append(s)
             self.running = still
@@ -150,12 +171,24 @@ class EmulatedEngine:
         if not s.fut.done():
             s.fut.set_result(self._generation(s.req, s.length, s.correct))
 
-    def _generation(self, req: RolloutRequest, length: int, correct: bool) -> Generation:
+    def _hand_back(self, s: _Seq) -> None:
+        """A preempted sequence: its whole tokens so far (the prefix included), resumable."""
+        done = max(int(s.done_tokens + 1e-6), len(s.req.prefix_ids))
+        if not s.fut.done():
+            s.fut.set_result(self._generation(s.req, s.length, s.correct, upto=done))
+
+    def _generation(self, req: RolloutRequest, length: int, correct: bool, upto: int = -1) -> Generation:
+        """The trajectory of ``req`` (a function of its id), or its first ``upto`` tokens, preempted."""
         r = _rng(self.seed, req.request_id, "tokens")
         ids = r.integers(3, 18, size=length, dtype=np.int32)
         logprobs = np.log(r.uniform(0.2, 1.0, size=length)).astype(np.float32)
+        n = len(req.prefix_ids)
+        if n:  # a continuation keeps the tokens and logprobs it was handed
+            ids[:n], logprobs[:n] = req.prefix_ids[:length], req.prefix_logprobs[:length]
         text = req.answer if correct else "x"
         reason = "length" if length >= self.cfg.max_response_tokens else "stop"
+        if 0 <= upto < length:
+            ids, logprobs, text, reason = ids[:upto], logprobs[:upto], "", "preempted"
         return Generation(np.zeros(self.cfg.prompt_tokens, np.int32), ids, logprobs, text, reason)
 
     async def load_weights(self, pv: PolicyVersion) -> None:
