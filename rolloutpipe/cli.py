@@ -1,4 +1,4 @@
-"""Command line: ``rolloutpipe run|bench|controller|rollout|aggregator|trainer|tail|status|report|dlq``.
+"""Command line: ``rolloutpipe run|bench|controller|rollout|aggregator|trainer|pool|tail|status|report|dlq``.
 
 Config is loaded (YAML, ``RP_…`` env, ``dotted.key=value`` overrides) before any event loop starts.
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -53,10 +54,13 @@ def _parser() -> argparse.ArgumentParser:
         rp = sub.add_parser(role, help=f"run the {role} role alone")
         rp.add_argument("config")
         rp.add_argument("--redis-url", required=True)
-        rp.add_argument("--run", required=True)
+        rp.add_argument("--run", required=role != "rollout", default="", help="rollout: or --pool")
         rp.add_argument("--out", help="trainer: where weights and metrics.jsonl go")
         if role == "rollout":
             rp.add_argument("--worker-id", default="", help="stable consumer name (default host-pid)")
+            rp.add_argument(
+                "--pool", default="", help="serve the runs of shared pool NAME, as its scheduler leases"
+            )
             rp.add_argument("--engine", choices=["transformers", "emulated", "vllm"], help="rollout.engine")
         if role == "aggregator":
             rp.add_argument(
@@ -66,6 +70,14 @@ def _parser() -> argparse.ArgumentParser:
         if role == "trainer":
             rp.add_argument("--backend", choices=["torch", "emulated", "deepspeed"], help="trainer.backend")
         rp.add_argument("overrides", nargs="*", help="dotted.key=value")
+
+    pool = sub.add_parser("pool", help="the scheduler of a rollout pool shared by several runs")
+    pool.add_argument("config")
+    pool.add_argument("--redis-url", required=True)
+    pool.add_argument("--pool", required=True, help="the pool's name (its workers: rollout --pool NAME)")
+    pool.add_argument("--runs", required=True, help="comma-separated runs to lease the pool's workers to")
+    pool.add_argument("--policy", choices=["greedy", "lookahead", "static"], help="rollout.pool.policy")
+    pool.add_argument("overrides", nargs="*", help="dotted.key=value")
 
     report = sub.add_parser("report", help="timeline and per-step pictures plus one HTML page of a run")
     report.add_argument("dir", help="the run's --out directory (metrics.jsonl, timeline.jsonl)")
@@ -235,8 +247,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pool(args: argparse.Namespace) -> int:
+    runs = [r for r in args.runs.split(",") if r]
+    extra = [f"rollout.pool.name={args.pool}", f"rollout.pool.runs={json.dumps(runs)}"]
+    if args.policy:
+        extra.append(f"rollout.pool.policy={args.policy}")
+    cfg = _cfg(args, extra)
+    setup_logging(cfg.log_level, "pool")
+    from rolloutpipe.workers.pool import run_pool
+
+    return run_async(lambda stop: run_pool(cfg, args.redis_url, stop))
+
+
 def cmd_role(args: argparse.Namespace) -> int:
-    extra = [f"run={args.run}"]
+    pool = getattr(args, "pool", "")
+    if args.cmd == "rollout" and not (args.run or pool):
+        raise ConfigError("rollout: give --run RUN, or --pool NAME to serve a shared pool's runs")
+    extra = [f"run={args.run}"] if args.run else []
+    if pool:
+        extra.append(f"rollout.pool.name={pool}")
     if getattr(args, "engine", None):
         extra.append(f"rollout.engine={args.engine}")
     if getattr(args, "backend", None):
@@ -250,6 +279,10 @@ def cmd_role(args: argparse.Namespace) -> int:
             from rolloutpipe.workers.controller import run_controller
 
             return await run_controller(cfg, url, args.run, stop)
+        if args.cmd == "rollout" and pool:
+            from rolloutpipe.workers.pool import run_pool_worker
+
+            return await run_pool_worker(cfg, url, stop, args.worker_id)
         if args.cmd == "rollout":
             from rolloutpipe.workers.rollout import run_rollout
 
@@ -432,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"unrecognized arguments: {' '.join(args.overrides)}")
             ops_cmds = {"tail": cmd_tail, "status": cmd_status, "report": cmd_report, "dlq": cmd_dlq}
             return ops_cmds[args.cmd](args)
+        if args.cmd == "pool":
+            return cmd_pool(args)
         return cmd_role(args)
     except RolloutPipeError as e:
         print(f"rolloutpipe: error: {e}", file=sys.stderr)

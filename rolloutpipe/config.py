@@ -209,6 +209,12 @@ class EmulatedEngineConfig(_Section):
     # Order of the engine's own queue (requests beyond max_num_seqs), as vLLM's option of that
     # name: "priority" admits lower ``RolloutRequest.priority`` (the frontier) first; "fcfs" by arrival.
     scheduling_policy: Literal["fcfs", "priority"] = "priority"
+    # Emulated seconds to switch to another run's weights (a worker of a shared pool).  ESTIMATE,
+    # not measured: Qwen3-1.7B in bf16 is 3.4 GB; copied back from pinned host memory (vLLM's
+    # sleep mode keeps an offloaded copy there) at ~25 GB/s of PCIe 4 that is ~0.14 s, plus the
+    # KV-cache reset and the first steps without warm caches: 0.5 s.  Loading from disk instead
+    # would take seconds.  A new version of the same run costs nothing here (as before).
+    switch_s: float = Field(default=0.5, ge=0)
 
 
 class VllmEngineConfig(_Section):
@@ -247,6 +253,24 @@ class MigrationConfig(_Section):
     # as cheap to leave where it is); a request runs in at most ``max_segments`` segments.
     min_run_s: float = Field(default=0.05, ge=0)
     max_segments: int = Field(default=4, ge=1)
+
+
+class PoolConfig(_Section):
+    """A rollout pool shared by several runs (``workers/pool.py``; docs/architecture.md)."""
+
+    name: str = ""  # the pool's name; empty: no pool, a worker serves its ``--run`` alone
+    runs: list[str] = Field(default_factory=list)  # runs the pool scheduler leases workers to
+    # greedy | lookahead (``workers/policies/pool.py``), or static: worker i serves runs[i mod n]
+    policy: Literal["greedy", "lookahead", "static"] = "lookahead"
+    tick_s: float = Field(default=0.05, gt=0)  # how often the scheduler looks at the runs
+    # On a lease change a worker hands its running requests back to their run (continuations,
+    # resumed by the run's other workers: long-tail migration) and switches at once (true), or
+    # stops taking new ones and switches when they are done (false).
+    handback: bool = True
+    # Wall seconds a moved worker needs before it is useful (the weight switch): the look-ahead's
+    # horizon.  Unset: the emulated engine's ``switch_s x time_scale``, else 0.5 (an estimate for a
+    # GPU engine reloading 1-2B parameters from host memory; see ``rollout.emulated.switch_s``).
+    switch_s: float | None = Field(default=None, ge=0)
 
 
 class RolloutConfig(_Section):
@@ -289,6 +313,7 @@ class RolloutConfig(_Section):
     vllm: VllmEngineConfig = Field(default_factory=VllmEngineConfig)
     emulated: EmulatedEngineConfig = Field(default_factory=EmulatedEngineConfig)
     migration: MigrationConfig = Field(default_factory=MigrationConfig)
+    pool: PoolConfig = Field(default_factory=PoolConfig)
 
     @field_validator("weights_url")
     @classmethod

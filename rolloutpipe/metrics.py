@@ -96,13 +96,20 @@ SAMPLES_WASTED = Counter(
 EVAL_REWARD = Gauge(
     "rolloutpipe_eval_reward", "Held-out reward of the latest evaluated version", registry=None
 )
+POOL_SHARE = Gauge(
+    "rolloutpipe_pool_share_workers", "Workers of the shared pool leased to each run", ["run"], registry=None
+)
+POOL_SWITCHES = Counter(
+    "rolloutpipe_pool_switches", "Times this pool worker changed the run it serves", registry=None
+)
 
 ROLE_METRICS: dict[str, tuple[Any, ...]] = {
     "controller": (REQUESTS_RELEASED, STEP, DEAD_LETTERS, BROKER_EVENTS),
     "rollout": (
         SAMPLES, GENERATION, WEIGHT_LOAD, INFLIGHT, POLICY_VERSION, STEP, FENCE_REJECTIONS, DEAD_LETTERS,
-        BROKER_EVENTS,
+        BROKER_EVENTS, POOL_SWITCHES,
     ),
+    "pool": (POOL_SHARE,),
     "aggregator": (SAMPLES, GROUPS, STEP, FENCE_REJECTIONS, DEAD_LETTERS, BROKER_EVENTS),
     "trainer": (
         GROUPS, GROUP_DISPATCH, WAIT_RATIO, ROLLOUT_TO_TRAIN_END, FIRST_GROUP, REWARD_MEAN, TRAIN_BUSY,

@@ -52,11 +52,13 @@ from rolloutpipe.broker.streams import (
     connect_sync,
     lag_of,
     live_heartbeats_sync,
+    pool_keys,
     run_keys,
 )
 from rolloutpipe.errors import CodecError
 
 STREAMS = ("requests", "samples", "groups", "control", "feedback", "dlq")
+POOL_STREAMS = ("leases",)  # a shared pool's (``--run pool:NAME``): every change of a worker's run
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 ARRAY_INLINE = 16
 ARRAY_HEAD = 8
@@ -96,8 +98,9 @@ def stream_key(keys: Keys, stream: str) -> str:
     name, _, shard = stream.partition(":")
     if name == "samples" and shard.isdigit() and int(shard) > 0:
         return keys.samples_shard(int(shard))
-    if stream not in STREAMS:
-        raise ValueError(f"unknown stream {stream!r}; choose from {', '.join(STREAMS)} (or samples:N)")
+    if stream not in STREAMS + POOL_STREAMS:
+        choices = ", ".join(STREAMS + POOL_STREAMS)
+        raise ValueError(f"unknown stream {stream!r}; choose from {choices} (or samples:N)")
     key: str = getattr(keys, stream)
     return key
 
@@ -443,6 +446,7 @@ def collect_status(r: redis.Redis, run: str, now: float | None = None) -> dict[s
     version = _version(r, k, now)
     step = _current_step(r, k, version)
     stats = {_s(f): int(v) for f, v in r.hgetall(k.stats).items() if _is_int(v)}
+    pool = _pool(r, run, workers)
     others = (k.version, k.stats, k.done, *(getattr(k, s) for s in STREAMS))
     return {
         "run": run,
@@ -453,6 +457,7 @@ def collect_status(r: redis.Redis, run: str, now: float | None = None) -> dict[s
         "step": step,
         "streams": streams,
         "workers": workers,
+        "pool": pool,
         "stats": {
             "total": {f: v for f, v in sorted(stats.items()) if ":" not in f},
             "step": {
@@ -494,12 +499,41 @@ def _stream_info(r: redis.Redis, key: str) -> dict[str, Any]:
     return {"key": key, "length": int(r.xlen(key)), "groups": groups}
 
 
+def _pool(r: redis.Redis, run: str, workers: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A pool's leases and each run's share (``--run pool:NAME``), or, for a run served by a shared
+    pool, how many of the pool's live workers serve it now."""
+    if run.startswith("pool:"):
+        lease = {_s(w): _s(x) for w, x in r.hgetall(Keys(run).lease).items()}
+        live = {w["id"] for w in workers}
+        shares: dict[str, int] = {}
+        for w, x in sorted(lease.items()):
+            if w in live and x:
+                shares[x] = shares.get(x, 0) + 1
+        return {"name": run.split(":", 1)[1], "members": len(live), "lease": lease, "shares": shares}
+    names = {w.get("pool") for w in workers if w.get("pool")}
+    if not names:
+        return None
+    name = sorted(str(n) for n in names)[0]
+    members = len(live_heartbeats_sync(r, pool_keys(name)))
+    return {"name": name, "members": members, "serving": sum(1 for w in workers if w.get("pool") == name)}
+
+
 def _workers(r: redis.Redis, k: Keys, now: float) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for wid, raw, ttl in sorted(live_heartbeats_sync(r, k)):  # the run's registry, no SCAN
         try:
             hb = json.loads(raw)
-            fields = ("capacity", "inflight", "version", "samples", "migrations", "pid", "host")
+            fields = (
+                "capacity",
+                "inflight",
+                "version",
+                "samples",
+                "migrations",
+                "pid",
+                "host",
+                "pool",
+                "run",
+            )
             info = {f: hb.get(f) for f in fields}
             info["heartbeat_age_s"] = round(now - float(hb["t"]), 3)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -644,6 +678,13 @@ def render_status(st: dict[str, Any]) -> str:
         ]
     elif s is not None:
         lines.append(f"step            {s['step']}  undecodable plan: {s['error']}")
+    pool = st.get("pool")
+    if pool and "shares" in pool:
+        sh = ", ".join(f"{run} {n}" for run, n in pool["shares"].items()) or "none"
+        lines.append(f"pool            {pool['name']}: {pool['members']} live workers; shares {sh}")
+    elif pool:
+        n, m = pool["serving"], pool["members"]
+        lines.append(f"pool            {n} of the {m} live workers of pool {pool['name']} serve this run")
     lines += ["", *_table(("stream", "length", "group", "pending", "lag", "consumers"), _stream_rows(st))]
     consumers = [
         (c["name"], name, g["name"], c["pending"], f"{c['idle_s']:.1f}")

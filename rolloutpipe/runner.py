@@ -64,8 +64,7 @@ class Cluster:
             str(self.out / "config.yaml"),
             "--redis-url",
             self.role_urls.get(role, self.url),
-            "--run",
-            self.cfg.run,
+            *(["--run", self.cfg.run] if role != "pool" and "--pool" not in (extra or []) else []),
             *(extra or []),
         ]
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")

@@ -341,6 +341,20 @@ class DeadLetter(Event):
     created_at: float
 
 
+class Lease(Event):
+    """A pool's decision: ``worker`` serves ``to_run`` from now on (``""``: no run).  On the pool's
+    ``leases`` stream; ``run`` is the pool's namespace (``pool:NAME``), ``step`` and
+    ``policy_version`` are -1."""
+
+    kind: Literal["lease"] = "lease"
+    worker: str
+    from_run: str
+    to_run: str
+    policy: str
+    shares: dict[str, int]  # workers per run after this decision
+    created_at: float
+
+
 AnyEvent = Annotated[
     RolloutRequest
     | Sample
@@ -351,6 +365,7 @@ AnyEvent = Annotated[
     | GroupStats
     | PolicyVersion
     | StepMetrics
-    | DeadLetter,
+    | DeadLetter
+    | Lease,
     Field(discriminator="kind"),
 ]

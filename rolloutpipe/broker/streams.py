@@ -256,6 +256,9 @@ class Keys:
         self.prompt_history = p + "prompt_history"  # prompt index -> recent PromptRecords (JSON)
         self.workers = p + "workers"  # rollout worker ids, scored by their heartbeat's expiry time
         self.sample_shards = p + "sample_shards"  # the run's number of samples streams
+        # A shared rollout pool's namespace is that of the pseudo-run ``pool:NAME`` (``PoolKeys``):
+        self.lease = p + "lease"  # hash: worker id -> the run it serves (the pool scheduler's)
+        self.leases = p + "leases"  # stream: ``lease`` events, each change of a worker's run
 
     def samples_shard(self, i: int) -> str:
         """Samples stream ``i`` of a run split across aggregators: ``samples``, ``samples:1``, …"""
@@ -318,6 +321,14 @@ class Keys:
 
     def heartbeat(self, worker: str) -> str:
         return f"{self.prefix}worker:{worker}"
+
+
+def pool_keys(pool: str) -> Keys:
+    """The keys of shared rollout pool ``pool``: those of the pseudo-run ``pool:NAME``, in a slot
+    of their own (``rp:{pool:NAME}:…``).  Its ``workers`` and ``worker:{id}`` are the pool's
+    members, ``lease`` says which run each serves and ``leases`` logs every change.  No write
+    touches a pool key and a run key at once (docs/architecture.md, "Shared rollout pools")."""
+    return Keys(f"pool:{pool}")
 
 
 @dataclass(frozen=True)

@@ -43,8 +43,12 @@ DONE_CHECK_S = 0.25  # how often the run loop asks whether the run is done (one 
 
 
 class RolloutWorker:
-    def __init__(self, cfg: Config, broker: Broker, engine: Engine, worker_id: str) -> None:
+    def __init__(
+        self, cfg: Config, broker: Broker, engine: Engine, worker_id: str, own_engine: bool = True
+    ) -> None:
         self.cfg = cfg
+        self.own_engine = own_engine  # False: a pool worker's engine, which outlives this run's lease
+        self.leaving = False  # ``leave``: take nothing new; stop once nothing is in flight
         self.b = broker
         self.k = broker.keys
         self.engine = engine
@@ -92,6 +96,7 @@ class RolloutWorker:
                 "version": self.version,
                 "samples": self.samples,
                 "migrations": self.migrations,
+                "pool": self.cfg.rollout.pool.name,  # a shared pool's worker, leased to this run
                 "pid": os.getpid(),
                 "host": socket.gethostname(),
                 "t": time.time(),
@@ -312,6 +317,20 @@ class RolloutWorker:
                 if preempt(rid):
                     self.preempting.add(by_request[rid])
 
+    async def leave(self, handback: bool) -> None:
+        """Stop serving this run (a pool moved the worker): take nothing new, and either hand every
+        request in flight back to the run as a continuation (``handback``, which needs an engine
+        that preempts) or let them finish.  ``run`` returns once none is left."""
+        self.leaving = True
+        self.slot_freed.set()
+        preempt = getattr(self.engine, "preempt", None)
+        if not handback or preempt is None:
+            return
+        for eid, (_, req) in list(self.inflight_reqs.items()):
+            task = self.inflight.get(eid)
+            if task is not None and not task.done() and preempt(req.request_id):
+                self.preempting.add(eid)
+
     async def admit(self, entry: Entry, stop: asyncio.Event) -> None:
         ev = await self.b.decode_or_dlq(entry, GROUP, (RolloutRequest,))
         if ev is None:
@@ -354,6 +373,13 @@ class RolloutWorker:
         last_claim = last_done_check = 0.0
         try:
             while not stop.is_set():
+                if self.leaving:
+                    if not self.inflight:
+                        break
+                    self.slot_freed.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.slot_freed.wait(), DONE_CHECK_S)
+                    continue
                 if time.monotonic() - last_done_check > DONE_CHECK_S:
                     last_done_check = time.monotonic()
                     if await self.b.is_done():
@@ -400,7 +426,8 @@ class RolloutWorker:
             await hb
             if mig is not None:
                 await mig
-            await self.engine.close()
+            if self.own_engine:
+                await self.engine.close()
             self.scorer.close()
             if self.fetcher is not None:
                 await self.fetcher.close()

