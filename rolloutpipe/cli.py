@@ -40,11 +40,14 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="runs/bench")
     bench.add_argument("--steps", type=int)
     bench.add_argument("--redis-url", default="")
-    bench.add_argument("--suite", default="", help="a suite under configs/bench/ (paper, allocation, broker)")
+    bench.add_argument(
+        "--suite", default="", help="a suite under configs/bench/ (paper, allocation, broker, multiplex)"
+    )
     bench.add_argument(
         "--quick",
         action="store_true",
-        help="allocation: one seed, a few steps; broker: two small rows (checks the path)",
+        help="allocation: one seed, a few steps; broker: two small rows; multiplex: 2 runs, static vs "
+        "lookahead, once (checks the path)",
     )
     bench.add_argument("--scale", type=float, help="wall seconds per emulated second (overrides the config)")
     bench.add_argument("--no-progress", action="store_true")
@@ -213,6 +216,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
             )
         table, where = run_broker(
             args.suite, Path(args.out), url=args.redis_url, progress=not args.no_progress, quick=args.quick
+        )
+        print(table)
+        print(f"\n{where}", file=sys.stderr)
+        return 0
+    if args.suite == "multiplex":
+        from rolloutpipe.multiplex_bench import run_multiplex
+
+        if args.config or args.scale is not None or args.steps is not None:
+            raise ConfigError(
+                "--suite multiplex takes its settings from configs/bench/multiplex.yaml and overrides"
+            )
+        table, where = run_multiplex(
+            Path(args.out),
+            args.overrides,
+            url=args.redis_url,
+            progress=not args.no_progress,
+            quick=args.quick,
         )
         print(table)
         print(f"\n{where}", file=sys.stderr)

@@ -89,3 +89,73 @@ def plot_setting(setting_dir: Path, title: str, modes: tuple[str, ...] = MODES) 
     fig.savefig(out, dpi=90)
     plt.close(fig)
     return out
+
+
+def plot_multiplex(dirs: dict[str, Path], runs: list[str], path: Path, title: str) -> Path:
+    """One panel per mode (static split, shared pool) on one time axis: a row per pool worker with
+    the sequences it ran, one colour per run, and a row per run with its trainer's busy intervals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cmap = plt.get_cmap("tab10")
+    panels = []
+    for mode, d in dirs.items():
+        recs: dict[str, list[dict[str, Any]]] = {}
+        for sub in sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith("pool-")):
+            f = sub / "timeline.jsonl"
+            if f.exists():
+                recs[sub.name] = [json.loads(line) for line in f.read_text().splitlines() if line]
+        if recs:
+            panels.append((mode, recs))
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(12, 3.2 * len(panels) + 0.8), sharex=True, squeeze=False
+    )
+    t0 = min(r["step_start"] for _m, recs in panels for rs in recs.values() for r in rs) if panels else 0.0
+    for ax, (mode, recs) in zip(axes[:, 0], panels, strict=True):
+        names = sorted(recs)
+        workers = sorted(
+            {s[0] for rs in recs.values() for r in rs for g in r["groups"] for s in g["samples"]}
+        )
+        for wi, w in enumerate(workers):
+            for ri, run in enumerate(names):
+                events = []
+                for r in recs[run]:
+                    for g in r["groups"]:
+                        for sw, adm, fin, *_ in g["samples"]:
+                            if sw == w:
+                                events += [(adm - t0, 1), (fin - t0, -1)]
+                if not events:
+                    continue
+                events.sort()
+                xs, ys, cur = [0.0], [0], 0
+                for x, dlt in events:
+                    cur += dlt
+                    xs.append(x)
+                    ys.append(cur)
+                peak = max(ys) or 1
+                top = [wi + 0.8 * y / peak for y in ys]
+                ax.fill_between(
+                    xs, [wi] * len(xs), top, step="post", alpha=0.55, color=cmap(ri % 10), linewidth=0
+                )
+        base = len(workers) + 0.3
+        for ri, run in enumerate(names):
+            for r in recs[run]:
+                for a, b in r["busy"]:
+                    ax.barh(base + ri, b - a, left=a - t0, height=0.6, color=cmap(ri % 10), linewidth=0)
+        ax.set_yticks(
+            [i + 0.4 for i in range(len(workers))] + [base + i for i in range(len(names))],
+            [w.rsplit("-", 1)[-1] for w in workers] + [f"trainer {i + 1}" for i in range(len(names))],
+        )
+        ax.set_title(f"{mode}: sequences on each pool worker, one colour per run; each run's trainer below")
+    handles = [
+        matplotlib.patches.Patch(color=cmap(i % 10), label=f"run {i + 1} ({r})") for i, r in enumerate(runs)
+    ]
+    fig.legend(handles=handles, loc="upper right", fontsize=8)
+    axes[-1, 0].set_xlabel("wall seconds since the first step started")
+    fig.suptitle(f"Shared rollout pool vs static split: {title}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -228,3 +228,16 @@ def test_status_shows_each_runs_share_and_tail_shows_leases_and_migrations(
     out = io.StringIO()
     ops.tail(sr, a, "requests", out, pretty=True)
     assert "MIGRATED: segment 1, resumes after 7 tok of 5-0" in out.getvalue()
+
+
+def test_the_static_split_never_moves_a_worker_whatever_order_they_join_in() -> None:
+    from rolloutpipe.workers.pool import static_leases
+
+    w = [WorkerView(f"w{i}", "", 8) for i in range(4)]
+    first = static_leases(["a", "b"], [w[3]])  # the last worker happens to start first
+    assert first == {"w3": "a"}
+    now = [WorkerView("w3", "a", 8), *w[:3]]
+    second = static_leases(["a", "b"], now)
+    assert second["w3"] == "a" and Counter(second.values()) == {"a": 2, "b": 2}
+    again = static_leases(["a", "b"], [WorkerView(k, v, 8) for k, v in second.items()])
+    assert again == second

@@ -109,8 +109,14 @@ def switch_horizon(cfg: Config) -> float:
 
 
 def static_leases(runs: list[str], workers: list[policy.WorkerView]) -> dict[str, str]:
-    """The static split: worker i (by id) serves runs[i mod n], whatever the runs do."""
-    return {w.worker: runs[i % len(runs)] for i, w in enumerate(sorted(workers, key=lambda w: w.worker))}
+    """The static split: a worker keeps the run it was first given; a new one joins the run with the
+    fewest workers (ties: the earlier run).  N runs on N x k workers: k each, never moved."""
+    out = {w.worker: w.run for w in workers if w.run in runs}
+    for w in sorted(workers, key=lambda w: w.worker):
+        if w.worker not in out:
+            held = {r: sum(1 for x in out.values() if x == r) for r in runs}
+            out[w.worker] = min(runs, key=lambda r: (held[r], runs.index(r)))
+    return out
 
 
 async def pool_workers(r: Any, pk: Keys) -> list[tuple[str, dict[str, Any]]]:

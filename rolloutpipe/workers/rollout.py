@@ -66,6 +66,7 @@ class RolloutWorker:
         self.fetcher = make_fetcher(cfg.rollout, broker.run)  # None: engines read pv.path (shared storage)
         self.admitted: dict[str, float] = {}  # entry id -> when this worker admitted it (monotonic)
         self.preempting: set[str] = set()  # entry ids preempted and not yet handed back or done
+        self.last_move = 0.0  # unix time this worker last preempted a request to hand it back
         self.reading = False  # inside a blocking read of ``requests``
         self.migrations = 0
 
@@ -300,11 +301,14 @@ class RolloutWorker:
             await wait_event(stop, mc.check_s)
             if stop.is_set() or not self.inflight or self.preempting:
                 continue
-            others = []
+            others, stale = [], False
             for w in await self.b.live_workers():
                 with contextlib.suppress(KeyError, TypeError, ValueError):
                     if w["id"] != self.id:
                         others.append(migration.Load(str(w["id"]), int(w["capacity"]), int(w["inflight"])))
+                        stale |= float(w["t"]) <= self.last_move  # loads from before our last move
+            if stale:  # decide again only on loads that show what the last hand-back did
+                continue
             now = time.monotonic()
             running = [
                 migration.Running(req.request_id, now - self.admitted.get(eid, now), req.segment)
@@ -316,6 +320,7 @@ class RolloutWorker:
             for rid in migration.choose(me, others, running, mc):
                 if preempt(rid):
                     self.preempting.add(by_request[rid])
+                    self.last_move = time.time()
 
     async def leave(self, handback: bool) -> None:
         """Stop serving this run (a pool moved the worker): take nothing new, and either hand every

@@ -25,13 +25,17 @@ Two policies, both pure (no Redis, no asyncio; ``workers/pool.py`` is the I/O ar
   worker must switch away and back before it is needed again).
 
 Shares: largest remainder of ``workers * demand / total demand``, at least one worker for every
-run with demand (while workers last), and no run more workers than it has requests.  Workers that
-keep their run are chosen first (fewest switches); the others move to the runs short of workers.
+run with demand (while workers last), and no run more workers than it has requests.  Both keep
+a run in rollout the workers its outstanding requests fill (``floors``): the pool lends spare
+workers and those of a long tail, which the moved worker hands back to the run's others (long-tail
+consolidation), never a full batch.  Workers that keep their run are chosen first (fewest
+switches); the others move to the runs short of workers.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -127,10 +131,31 @@ def assign(quota: dict[str, int], workers: Sequence[WorkerView], keep_idle: bool
     return out
 
 
+def floors(runs: Sequence[RunView], workers: Sequence[WorkerView]) -> dict[str, int]:
+    """Workers a run keeps whatever the others want: as many of those it holds as its outstanding
+    requests fill (``ceil(outstanding / slots a worker)``).  Taking one of those would hand its
+    running requests back only for them to wait for a slot: the pool lends a run's spare workers,
+    and a long tail's (consolidated onto the workers it fills), never the ones it is busy on."""
+    cap = max(1, max((w.capacity for w in workers), default=1))
+    held = Counter(w.run for w in workers)
+    return {r.run: min(held[r.run], -(-r.outstanding // cap)) for r in runs if r.phase == "rollout"}
+
+
+def with_floors(quota: dict[str, int], floor: dict[str, int], n_workers: int) -> dict[str, int]:
+    """``quota`` raised to ``floor``, the excess taken back from the runs above their floor."""
+    out = {r: max(q, floor.get(r, 0)) for r, q in quota.items()}
+    while sum(out.values()) > n_workers:
+        above = [r for r in out if out[r] > floor.get(r, 0)]
+        if not above:
+            break
+        out[max(above, key=lambda r: (out[r] - floor.get(r, 0), r))] -= 1
+    return out
+
+
 def greedy(runs: Sequence[RunView], workers: Sequence[WorkerView], switch_s: float) -> dict[str, str]:
-    """Shares by the demand now."""
+    """Shares by the demand now (a busy run keeps the workers it fills: ``floors``)."""
     quota = shares({r.run: demand(r) for r in runs}, len(workers))
-    return assign(quota, workers)
+    return assign(with_floors(quota, floors(runs, workers), len(workers)), workers)
 
 
 def lookahead(runs: Sequence[RunView], workers: Sequence[WorkerView], switch_s: float) -> dict[str, str]:
@@ -138,6 +163,7 @@ def lookahead(runs: Sequence[RunView], workers: Sequence[WorkerView], switch_s: 
     would not pay: its rollout ends within ``switch_s``, or its training within ``2 * switch_s``
     (a lent worker must switch away and back)."""
     quota = shares({r.run: demand(r, switch_s) for r in runs}, len(workers))
+    quota = with_floors(quota, floors(runs, workers), len(workers))
     keep = {r.run for r in runs if _ends_within(r, switch_s if r.phase == "rollout" else 2 * switch_s)}
     held = {r: sum(1 for w in workers if w.run == r) for r in keep}
     for r, n in held.items():  # keep what it has; take the difference from the others' spare
