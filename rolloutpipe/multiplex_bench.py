@@ -117,9 +117,9 @@ def aggregate(reps: dict[str, list[dict[str, Any]]], runs: list[str]) -> dict[st
     return out
 
 
-def table(n_runs: int, workers: int, agg: dict[str, Any]) -> str:
+def table(what: str, workers: int, agg: dict[str, Any]) -> str:
     lines = [
-        f"{n_runs} runs on {workers} pool workers (mean [95% interval] over repeats)",
+        f"{what} on {workers} pool workers (mean [95% interval] over repeats)",
         "| mode | samples/s | vs static | pool utilisation | worst run r2t vs static | lease changes |"
         " migrations |",
         "|---|---|---|---|---|---|---|",
@@ -135,7 +135,7 @@ def table(n_runs: int, workers: int, agg: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def targets(by_n: dict[int, dict[str, Any]]) -> str:
+def targets(by_n: dict[str, dict[str, Any]]) -> str:
     out = ["Targets (issue 14), for the shared pool (lookahead) against the static split:"]
     for n, agg in by_n.items():
         if SHARED not in agg:
@@ -143,13 +143,13 @@ def targets(by_n: dict[int, dict[str, Any]]) -> str:
         v = agg[SHARED]["throughput_vs_static"]
         ok = "met" if v["mean"] >= 1.5 else f"MISSED by {1.5 - v['mean']:.2f}x"
         out.append(
-            f"- {n} runs: throughput {v['mean']:.2f}x [{v['lo']:.2f}, {v['hi']:.2f}] (target >= 1.5x): {ok}"
+            f"- {n}: throughput {v['mean']:.2f}x [{v['lo']:.2f}, {v['hi']:.2f}] (target >= 1.5x): {ok}"
         )
         _, worst = max(agg[SHARED]["runs"].items(), key=lambda kv: kv[1]["r2t_vs_static"])
         r = worst["r2t_vs_static"]
         ok = "met" if r <= 1.10 else f"MISSED by {r - 1.10:.2f}"
         out.append(
-            f"- {n} runs: worst run's rollout-to-train-end {r:.2f}x its static share's (target <= 1.10): {ok}"
+            f"- {n}: worst run's rollout-to-train-end {r:.2f}x its static share's (target <= 1.10): {ok}"
         )
     return "\n".join(out)
 
@@ -164,6 +164,7 @@ def run_multiplex(
     common = [*flatten(yaml.safe_load((path.parent / spec["workload"]).read_text()) or {}),
               *flatten(spec.get("run", {})), "trainer.record_timeline=true", *overrides]  # fmt: skip
     counts: list[int] = [2] if quick else list(spec["run_counts"])
+    run_modes: list[str] = list(spec["run_modes"])[:1] if quick else list(spec["run_modes"])
     repeats = 1 if quick else int(spec["repeats"])
     modes: list[str] = ["static", SHARED] if quick else list(spec["modes"])
     per_run = int(spec["workers_per_run"])
@@ -173,27 +174,29 @@ def run_multiplex(
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(counts) * repeats * len(modes), desc="multiplex", unit="run", file=sys.stderr)
+        total = len(run_modes) * len(counts) * repeats * len(modes)
+        bar = tqdm(total=total, desc="multiplex", unit="run", file=sys.stderr)
     t0 = time.monotonic()
     er = None if url else EmbeddedRedis().start()
     redis_url = url or (er.url if er else "")
     results: dict[str, Any] = {"suite": "multiplex", "config": spec, "by_runs": {}}
-    by_n: dict[int, dict[str, Any]] = {}
+    by_n: dict[str, dict[str, Any]] = {}
     tables = []
     try:
-        for n in counts:
+        for rm, n in [(rm, n) for rm in run_modes for n in counts]:
+            key = f"{rm}-{n}runs"
             workers = per_run * n
             names = [f"mx{n}-{chr(97 + i)}" for i in range(n)]
             reps: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
             for rep in range(repeats):
                 for mode in modes:
-                    tag = f"r{n}-{mode}-{rep}"
-                    pool = f"mx{n}{rep}{mode}"
-                    runs = [f"{x}-{mode}-{rep}" for x in names]
+                    tag = f"{key}-{mode}-{rep}"
+                    pool = f"mx-{key}-{mode}-{rep}"
+                    runs = [f"{x}-{rm}-{mode}-{rep}" for x in names]
                     pool_over = [f"rollout.pool.name={pool}", "rollout.pool.runs=" + json.dumps(runs)]
                     cfgs = [
-                        load_config(base, [*common, *MODES[mode], *pool_over, f"run={run}",
-                                           f"out={out / tag / run}"], environ={})
+                        load_config(base, [*common, f"controller.mode={rm}", *MODES[mode], *pool_over,
+                                           f"run={run}", f"out={out / tag / run}"], environ={})
                         for run in runs
                     ]  # fmt: skip
                     if bar is not None:
@@ -206,16 +209,17 @@ def run_multiplex(
                     if bar is not None:
                         bar.update(1)
             agg = aggregate(reps, names)
-            by_n[n] = agg
-            results["by_runs"][str(n)] = {"workers": workers, "modes": agg, "repeats": reps}
-            tables.append(table(n, workers, agg))
+            by_n[key] = agg
+            results["by_runs"][key] = {"run_mode": rm, "runs": n, "workers": workers, "modes": agg,
+                                       "repeats": reps}  # fmt: skip
+            tables.append(table(f"{n} runs ({rm})", workers, agg))
             try:
                 from rolloutpipe.timeline import plot_multiplex
 
                 last = repeats - 1
-                dirs = {m: out / f"r{n}-{m}-{last}" for m in ("static", SHARED) if m in modes}
-                png = plot_multiplex(dirs, names, out / f"timeline-multiplex-{n}runs.png", f"{n} runs")
-                results["by_runs"][str(n)]["timeline_png"] = str(png)
+                dirs = {m: out / f"{key}-{m}-{last}" for m in ("static", SHARED) if m in modes}
+                png = plot_multiplex(dirs, names, out / f"timeline-multiplex-{key}.png", f"{n} runs, {rm}")
+                results["by_runs"][key]["timeline_png"] = str(png)
             except ImportError:
                 pass
     finally:
@@ -223,10 +227,11 @@ def run_multiplex(
             er.stop()
         if bar is not None:
             bar.close()
-    head = by_n[counts[0]]
+    first = f"{run_modes[0]}-{counts[0]}runs"
+    head = by_n[first]
     shared_sps = head[SHARED]["samples_per_s"]["mean"] if SHARED in head else None
-    results["shared"] = {"mode": SHARED, "runs": counts[0], "samples_per_s": shared_sps}
-    results["static"] = {"runs": counts[0], "samples_per_s": head["static"]["samples_per_s"]["mean"]}
+    results["shared"] = {"mode": SHARED, "setting": first, "samples_per_s": shared_sps}
+    results["static"] = {"setting": first, "samples_per_s": head["static"]["samples_per_s"]["mean"]}
     results["runs"] = {
         run: {"shared_r2t": head[SHARED]["runs"][run]["r2t"]["mean"] if SHARED in head else None,
               "static_r2t": head["static"]["runs"][run]["r2t"]["mean"]}

@@ -1,0 +1,42 @@
+"""``bench --suite multiplex --quick`` end to end on small runs: it writes the results the issue
+asks for (``shared``/``static`` samples/s, per-run rollout-to-train-end) and the timeline, and the
+static split never moves a worker while the shared pool does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rolloutpipe.multiplex_bench import run_multiplex
+
+pytestmark = pytest.mark.slow
+
+SMALL = (
+    "controller.prompts_per_step=8",
+    "controller.group_size=4",
+    "controller.minibatches=2",
+    "task.num_prompts=8",
+    "rollout.emulated.length_median=300",
+    "rollout.emulated.max_response_tokens=1500",
+    "rollout.emulated.time_scale=0.1",
+    "trainer.emulated.time_scale=0.5",
+    "rollout.emulated.max_num_seqs=16",
+)
+
+
+def test_quick_multiplex_bench_writes_results_and_a_timeline(tmp_path: Path, redis_url: str) -> None:
+    text, where = run_multiplex(tmp_path, list(SMALL), url=redis_url, progress=False, quick=True)
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["shared"]["samples_per_s"] > 0 and doc["static"]["samples_per_s"] > 0
+    assert set(doc["runs"]) == {"mx2-a", "mx2-b"}
+    assert all(v["static_r2t"] > 0 and v["shared_r2t"] > 0 for v in doc["runs"].values())
+    (setting,) = doc["by_runs"].values()
+    static, shared = setting["repeats"]["static"][0], setting["repeats"]["lookahead"][0]
+    assert static["lease_changes"] == 0  # the static split never moves a worker
+    assert shared["lease_changes"] >= 1
+    assert static["fence_rejections"] == shared["fence_rejections"] == 0
+    assert 0 < static["pool_utilisation"] <= 1 and 0 < shared["pool_utilisation"] <= 1
+    assert Path(setting["timeline_png"]).stat().st_size > 10_000
+    assert "Targets (issue 14)" in text and "results.json" in where
