@@ -112,8 +112,8 @@ def plot_multiplex(dirs: dict[str, Path], runs: list[str], path: Path, title: st
     fig, axes = plt.subplots(
         len(panels), 1, figsize=(12, 3.2 * len(panels) + 0.8), sharex=True, squeeze=False
     )
-    t0 = min(r["step_start"] for _m, recs in panels for rs in recs.values() for r in rs) if panels else 0.0
     for ax, (mode, recs) in zip(axes[:, 0], panels, strict=True):
+        t0 = min(r["step_start"] for rs in recs.values() for r in rs)  # each panel from its own start
         names = sorted(recs)
         workers = sorted(
             {s[0] for rs in recs.values() for r in rs for g in r["groups"] for s in g["samples"]}
@@ -153,7 +153,7 @@ def plot_multiplex(dirs: dict[str, Path], runs: list[str], path: Path, title: st
         matplotlib.patches.Patch(color=cmap(i % 10), label=f"run {i + 1} ({r})") for i, r in enumerate(runs)
     ]
     fig.legend(handles=handles, loc="upper right", fontsize=8)
-    axes[-1, 0].set_xlabel("wall seconds since the first step started")
+    axes[-1, 0].set_xlabel("wall seconds since the panel's first step started")
     fig.suptitle(f"Shared rollout pool vs static split: {title}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

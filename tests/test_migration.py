@@ -290,8 +290,14 @@ def test_sigkill_mid_migration_loses_nothing_and_duplicates_nothing(
     try:
         d = Driver(cluster, sr)
         fired = tmp_path / "fired"
-        d.until(fired.exists, 120, f"the {fault} fault to fire")
-        time.sleep(0.3)
+        # not ``d.until``: its liveness check would see the planted kill as a crash
+        deadline = time.monotonic() + 120
+        while not fired.exists():
+            assert time.monotonic() < deadline, f"the {fault} fault never fired; {d.logs()}"
+            time.sleep(0.02)
+        deadline = time.monotonic() + 15  # the kill is at once, or 50 ms into the continuation
+        while not any(rp.proc.poll() is not None for rp in cluster.procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
         dead = [rp for rp in cluster.procs if rp.proc.poll() is not None]
         assert [rp.proc.returncode for rp in dead] == [-9], [(rp.name, rp.proc.returncode) for rp in dead]
         d.killed.add(dead[0].proc.pid)

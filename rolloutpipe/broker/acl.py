@@ -12,6 +12,10 @@ users and fresh random passwords, and ``docker-compose.yml`` spells the same rul
   ``version`` and ``closed``; it cannot write ``groups``, ``control`` or ``version``.
 * ``aggregator`` writes ``groups`` and ``feedback``, reads ``alloc``; ``trainer`` writes
   ``version``, ``control`` and ``consumed``.
+* ``pool`` (a shared pool's scheduler, ``rolloutpipe pool``) writes its pool's ``lease`` and
+  ``leases`` and reads every run's stage (``version``, ``plan``, ``released``, ``finished``,
+  ``done``) and its pool's heartbeats.  Pool workers connect as ``rollout``: they also read
+  ``lease``, and hand requests back (``migrated``).
 * ``observer`` only reads (``tail``, ``status``, healthchecks).
 
 Every role that writes runs its writes as the ``ONCE_LUA`` script (``EVALSHA``), recording each
@@ -34,8 +38,8 @@ ROLE_RULES: dict[str, list[str]] = {
         "~rp:*:requests", "~rp:*:control", "~rp:*:dlq", "~rp:*:stats", "~rp:*:plan:*",
         "~rp:*:released:*", "~rp:*:done", "~rp:*:samples", "~rp:*:groups", "~rp:*:finished:*",
         "~rp:*:emitted:*", "~rp:*:consumed:*", "~rp:*:feedback", "~rp:*:alloc:*", "~rp:*:closed:*",
-        "~rp:*:prompt_history", "~rp:*:samples:*", "~rp:*:sample_shards", *_ONCE_KEYS,
-        "%R~rp:*:version", "%R~rp:*:worker:*", "%R~rp:*:workers",
+        "~rp:*:prompt_history", "~rp:*:samples:*", "~rp:*:sample_shards", "~rp:*:migrated:*",
+        *_ONCE_KEYS, "%R~rp:*:version", "%R~rp:*:worker:*", "%R~rp:*:workers",
         "-@all", "+@connection", *_TX, *_ONCE, "+xadd", *_STREAM_CONSUMER, "+xrange", "+xrevrange",
         "+xread", "+exists", "+incrby", "+hincrby", "+hgetall", "+scard",
         "+scan", "+sadd", "+smembers", "+sismember", "+xtrim", "+xinfo|groups", "+xpending", "+xlen",
@@ -43,11 +47,12 @@ ROLE_RULES: dict[str, list[str]] = {
     ],
     "rollout": [
         "~rp:*:requests", "~rp:*:samples", "~rp:*:dlq", "~rp:*:stats", "~rp:*:finished:*",
-        "~rp:*:worker:*", "~rp:*:samples:*", "~rp:*:sample_shards", "~rp:*:workers", *_ONCE_KEYS,
-        "%R~rp:*:version", "%R~rp:*:control", "%R~rp:*:plan:*", "%R~rp:*:done", "%R~rp:*:closed:*",
+        "~rp:*:worker:*", "~rp:*:samples:*", "~rp:*:sample_shards", "~rp:*:workers", "~rp:*:migrated:*",
+        *_ONCE_KEYS, "%R~rp:*:version", "%R~rp:*:control", "%R~rp:*:plan:*", "%R~rp:*:done",
+        "%R~rp:*:closed:*", "%R~rp:*:lease",
         "-@all", "+@connection", *_TX, *_ONCE, "+xadd", *_STREAM_CONSUMER, "+xclaim", "+xread",
         "+xrevrange", "+del", "+exists", "+incr", "+incrby", "+hincrby", "+scan", "+sadd", "+smembers",
-        "+zadd", "+zrem", "+zremrangebyscore", "+zrangebyscore", "+mget",
+        "+sismember", "+zadd", "+zrem", "+zremrangebyscore", "+zrangebyscore", "+mget",
     ],
     "aggregator": [
         "~rp:*:samples", "~rp:*:groups", "~rp:*:dlq", "~rp:*:stats", "~rp:*:emitted:*",
@@ -62,6 +67,14 @@ ROLE_RULES: dict[str, list[str]] = {
         "~rp:*:consumed:*", *_ONCE_KEYS, "%R~rp:*:plan:*", "%R~rp:*:done", "%R~rp:*:released:*",
         "-@all", "+@connection", *_TX, *_ONCE, "+xadd", "+xreadgroup", "+xack", "+xgroup|create",
         "+xread", "+xrevrange", "+exists", "+sadd", "+smembers", "+hincrby",
+    ],
+    # a shared pool's scheduler: its pool's lease and lease log; every run's stage, read only
+    "pool": [
+        "~rp:*:lease", "~rp:*:leases", "~rp:*:stats", *_ONCE_KEYS, "%R~rp:*:workers",
+        "%R~rp:*:worker:*", "%R~rp:*:version", "%R~rp:*:plan:*", "%R~rp:*:released:*",
+        "%R~rp:*:finished:*", "%R~rp:*:done",
+        "-@all", "+@connection", *_TX, *_ONCE, "+xadd", "+hincrby", "+hgetall", "+exists",
+        "+zrangebyscore", "+mget",
     ],
     "observer": [
         "%R~rp:*", "-@all", "+@connection", *_TX, "+@read", "-@dangerous", "+xinfo|groups",
