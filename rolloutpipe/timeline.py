@@ -21,6 +21,25 @@ def load_last_step(path: Path) -> dict[str, Any] | None:
     return json.loads(lines[-1]) if lines else None
 
 
+def in_flight(steps: list[dict[str, Any]], worker: str, t0: float) -> tuple[list[float], list[int]]:
+    """A step curve of the sequences ``worker`` ran (from each sample's admission to its end) over
+    the timeline records ``steps``, in seconds since ``t0``."""
+    events = sorted(
+        (x - t0, d)
+        for rec in steps
+        for g in rec["groups"]
+        for sw, adm, fin, *_ in g["samples"]
+        if sw == worker
+        for x, d in ((adm, 1), (fin, -1))
+    )
+    xs, ys, cur = [0.0], [0], 0
+    for x, d in events:
+        cur += d
+        xs.append(x)
+        ys.append(cur)
+    return xs, ys
+
+
 def plot_setting(setting_dir: Path, title: str, modes: tuple[str, ...] = MODES) -> Path:
     import matplotlib
 
@@ -41,17 +60,7 @@ def plot_setting(setting_dir: Path, title: str, modes: tuple[str, ...] = MODES) 
         rows = {w: i for i, w in enumerate(workers)}
         n = len(workers)
         for w in workers:
-            events = []
-            for g in rec["groups"]:
-                for sw, adm, fin, *_ in g["samples"]:
-                    if sw == w:
-                        events += [(adm - t0, 1), (fin - t0, -1)]
-            events.sort()
-            xs, ys, cur = [0.0], [0], 0
-            for x, d in events:
-                cur += d
-                xs.append(x)
-                ys.append(cur)
+            xs, ys = in_flight([rec], w, t0)
             peak = max(ys) or 1
             y0 = rows[w]
             ax.fill_between(xs, [y0] * len(xs), [y0 + 0.8 * y / peak for y in ys], step="post", alpha=0.6,
@@ -120,20 +129,9 @@ def plot_multiplex(dirs: dict[str, Path], runs: list[str], path: Path, title: st
         )
         for wi, w in enumerate(workers):
             for ri, run in enumerate(names):
-                events = []
-                for r in recs[run]:
-                    for g in r["groups"]:
-                        for sw, adm, fin, *_ in g["samples"]:
-                            if sw == w:
-                                events += [(adm - t0, 1), (fin - t0, -1)]
-                if not events:
+                xs, ys = in_flight(recs[run], w, t0)
+                if len(xs) == 1:
                     continue
-                events.sort()
-                xs, ys, cur = [0.0], [0], 0
-                for x, dlt in events:
-                    cur += dlt
-                    xs.append(x)
-                    ys.append(cur)
                 peak = max(ys) or 1
                 top = [wi + 0.8 * y / peak for y in ys]
                 ax.fill_between(
