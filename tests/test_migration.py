@@ -307,6 +307,7 @@ def test_sigkill_mid_migration_loses_nothing_and_duplicates_nothing(
         keys = Keys(run_name)
         if fault != "source-before":
             assert int(sr.hget(keys.stats, "migrations") or 0) >= 1
-        assert int(sr.hget(keys.stats, "reclaimed_requests") or 0) >= 1  # the dead worker's entry
+        if fault != "source-after":  # the dead worker held an entry: the preempted one, or the continuation
+            assert int(sr.hget(keys.stats, "reclaimed_requests") or 0) >= 1
     finally:
         stop_cluster(cluster, sr)
