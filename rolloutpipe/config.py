@@ -246,7 +246,7 @@ class VllmEngineConfig(_Section):
 
 
 class MigrationConfig(_Section):
-    """Long-tail migration (``workers/policies/migration.py``; docs/architecture.md, "Migration")."""
+    """Long-tail migration (``workers/policies/migration.py``; docs/architecture.md, of that name)."""
 
     # Off by default: it needs an engine that can preempt (emulated, transformers, vllm), and
     # each move costs the target a prefill of prompt + partial response.

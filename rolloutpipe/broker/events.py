@@ -86,7 +86,7 @@ class RolloutRequest(Event):
     # the row's ``data_source`` and its metadata (verl's ``extra_info``, slime's ``metadata``).
     data_source: str = ""
     extra_info: dict[str, Any] = Field(default_factory=dict)
-    # Long-tail migration (``docs/architecture.md``, "Migration").  A request preempted while
+    # Long-tail migration (``docs/architecture.md``, of that name).  A request preempted while
     # decoding is put back as a *continuation*: the same request, with the response so far as
     # ``prefix_ids`` and the behaviour logprobs of those tokens as ``prefix_logprobs``.  An engine
     # resumes after prompt + prefix, on the same policy version and seed, and returns the whole
