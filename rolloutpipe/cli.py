@@ -202,6 +202,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(table: str, where: str) -> int:
+    """A benchmark's table on stdout, where its files are on stderr."""
+    print(table)
+    print(f"\n{where}", file=sys.stderr)
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from rolloutpipe.allocation_bench import is_allocation_suite, run_allocation
     from rolloutpipe.bench import run_bench
@@ -217,9 +224,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         table, where = run_broker(
             args.suite, Path(args.out), url=args.redis_url, progress=not args.no_progress, quick=args.quick
         )
-        print(table)
-        print(f"\n{where}", file=sys.stderr)
-        return 0
+        return _report(table, where)
     if args.suite == "multiplex":
         from rolloutpipe.multiplex_bench import run_multiplex
 
@@ -234,9 +239,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             quick=args.quick,
         )
-        print(table)
-        print(f"\n{where}", file=sys.stderr)
-        return 0
+        return _report(table, where)
     if args.suite and is_allocation_suite(args.suite):
         extra = [*args.overrides, *([f"controller.steps={args.steps}"] if args.steps is not None else [])]
         table, where = run_allocation(
@@ -247,9 +250,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             quick=args.quick,
         )
-        print(table)
-        print(f"\n{where}", file=sys.stderr)
-        return 0
+        return _report(table, where)
     if args.quick:
         raise ConfigError("--quick is for the allocation and broker suites (--suite allocation|broker)")
     table, where = run_bench(
@@ -262,9 +263,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         suite=args.suite,
         scale=args.scale,
     )
-    print(table)
-    print(f"\n{where}", file=sys.stderr)
-    return 0
+    return _report(table, where)
 
 
 def cmd_pool(args: argparse.Namespace) -> int:

@@ -55,6 +55,8 @@ class _Track:
     last_train_s: float | None = None
     last_rollout_s: float | None = None
     rollout_began: float | None = None
+    plan_step: int = -1  # the step whose plan was read: a plan is written once, so it is read once
+    plan_total: int = 0
 
 
 async def run_view(r: Any, run: str, track: _Track, now: float) -> policy.RunView:
@@ -67,13 +69,13 @@ async def run_view(r: Any, run: str, track: _Track, now: float) -> policy.RunVie
         phase = "done"
     else:
         step = max(0, await b.version_number())
-        plan = await b.plan(step)
-        if plan is None:
+        if track.plan_step != step and (plan := await b.plan(step)) is not None:
+            track.plan_step, track.plan_total = step, sum(g.n for g in plan.groups)
+        if track.plan_step != step:
             phase = "waiting"
         else:
-            total = sum(g.n for g in plan.groups)
-            released = int(await r.get(k.released(step)) or 0)
-            finished = int(await r.get(k.finished(step)) or 0)
+            total = track.plan_total
+            released, finished = (int(x or 0) for x in await r.mget(k.released(step), k.finished(step)))
             track.step_requests = max(total, released)
             outstanding = max(0, max(total, released) - finished)
             phase = "rollout" if outstanding > 0 else "training"

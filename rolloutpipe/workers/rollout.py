@@ -24,6 +24,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterable
 
 from rolloutpipe import metrics
 from rolloutpipe.broker.events import RolloutRequest, Sample
@@ -295,8 +296,6 @@ class RolloutWorker:
     async def migrate_loop(self, stop: asyncio.Event) -> None:
         """Every ``check_s``: preempt what ``policies/migration.choose`` picks from the pool's load."""
         mc = self.cfg.rollout.migration
-        preempt = getattr(self.engine, "preempt", None)
-        assert preempt is not None
         while not stop.is_set():
             await wait_event(stop, mc.check_s)
             if stop.is_set() or not self.inflight or self.preempting:
@@ -317,10 +316,22 @@ class RolloutWorker:
             ]
             me = migration.Load(self.id, self.engine.capacity, len(self.inflight))
             by_request = {req.request_id: eid for eid, (_, req) in self.inflight_reqs.items()}
-            for rid in migration.choose(me, others, running, mc):
-                if preempt(rid):
-                    self.preempting.add(by_request[rid])
-                    self.last_move = time.time()
+            if self.preempt_entries(by_request[rid] for rid in migration.choose(me, others, running, mc)):
+                self.last_move = time.time()
+
+    def preempt_entries(self, eids: Iterable[str]) -> int:
+        """Ask the engine to stop these running requests; each stopped one is handed back by its
+        ``handle`` (``hand_back``).  Returns how many the engine stopped."""
+        preempt = getattr(self.engine, "preempt", None)
+        n = 0
+        for eid in eids:
+            task, item = self.inflight.get(eid), self.inflight_reqs.get(eid)
+            if preempt is None or task is None or item is None or task.done():
+                continue  # not running here (finished, or never admitted)
+            if preempt(item[1].request_id):
+                self.preempting.add(eid)
+                n += 1
+        return n
 
     async def leave(self, handback: bool) -> None:
         """Stop serving this run (a pool moved the worker): take nothing new, and either hand every
@@ -328,13 +339,8 @@ class RolloutWorker:
         that preempts) or let them finish.  ``run`` returns once none is left."""
         self.leaving = True
         self.slot_freed.set()
-        preempt = getattr(self.engine, "preempt", None)
-        if not handback or preempt is None:
-            return
-        for eid, (_, req) in list(self.inflight_reqs.items()):
-            task = self.inflight.get(eid)
-            if task is not None and not task.done() and preempt(req.request_id):
-                self.preempting.add(eid)
+        if handback:
+            self.preempt_entries(list(self.inflight_reqs))
 
     async def admit(self, entry: Entry, stop: asyncio.Event) -> None:
         ev = await self.b.decode_or_dlq(entry, GROUP, (RolloutRequest,))
@@ -361,6 +367,12 @@ class RolloutWorker:
         self.inflight[entry.id] = asyncio.create_task(self.handle(entry, ev))
         metrics.INFLIGHT.set(len(self.inflight))
 
+    async def wait_slot_freed(self) -> None:
+        """Until a request leaves the engine, or ``DONE_CHECK_S``."""
+        self.slot_freed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.slot_freed.wait(), DONE_CHECK_S)
+
     async def run(self, stop: asyncio.Event) -> int:
         rc = self.cfg.rollout
         await self.b.check_shards()
@@ -381,9 +393,7 @@ class RolloutWorker:
                 if self.leaving:
                     if not self.inflight:
                         break
-                    self.slot_freed.clear()
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self.slot_freed.wait(), DONE_CHECK_S)
+                    await self.wait_slot_freed()
                     continue
                 if time.monotonic() - last_done_check > DONE_CHECK_S:
                     last_done_check = time.monotonic()
@@ -391,9 +401,7 @@ class RolloutWorker:
                         break
                 free = await self.admission_limit() - len(self.inflight)
                 if free <= 0:  # full: wake when a request leaves the engine, not by polling Redis
-                    self.slot_freed.clear()
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self.slot_freed.wait(), DONE_CHECK_S)
+                    await self.wait_slot_freed()
                     continue
                 entries: list[Entry] = []
                 if backlog:
