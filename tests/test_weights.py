@@ -100,3 +100,28 @@ def test_a_failed_publish_removes_its_temp_folder(tmp_path: Path) -> None:
     finally:
         w.sha256_file = real
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_new_version_is_never_pruned_by_an_earlier_runs_higher_ones(tmp_path: Path) -> None:
+    """A reused folder holds v000058-v000060 of an earlier run; publishing v000000 with ``keep=3``
+    used to sort by name and delete the version it had just written (``make demo`` run twice hung
+    on 'v000000/model.safetensors is missing').  Versions are compared by number."""
+    for v in (58, 59, 60):
+        publish_weights({"w": torch.full((2,), float(v))}, tmp_path, "r", v)
+    pv = publish_weights({"w": torch.zeros(2)}, tmp_path, "r", 0, keep=3)
+    assert torch.equal(load_verified_state(pv)["w"], torch.zeros(2))
+    assert sorted(p.name for p in tmp_path.glob("v*")) == ["v000000"]  # the other run's are not ours
+    for v in (1, 2, 3):
+        publish_weights({"w": torch.full((2,), float(v))}, tmp_path, "r", v, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("v*")) == ["v000002", "v000003"]
+
+
+def test_a_new_checkpoint_is_never_pruned_by_an_earlier_runs_higher_ones(tmp_path: Path) -> None:
+    from rolloutpipe.trainer import checkpoint
+
+    for s in (58, 59, 60):
+        checkpoint.save(tmp_path, s, {}, keep=2)
+    checkpoint.save(tmp_path, 0, {"initial": True}, keep=2)
+    ck = checkpoint.latest(tmp_path)
+    assert ck is not None and ck.step == 0
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-000000"]

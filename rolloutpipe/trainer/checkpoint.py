@@ -131,8 +131,10 @@ def save(
     _fsync(root)
     for stale in root.glob(".tmp-ckpt-*"):  # left by a trainer killed while saving
         shutil.rmtree(stale, ignore_errors=True)
-    if keep > 0:
-        for old in sorted(root.glob("ckpt-[0-9]*"))[:-keep]:
+    if keep > 0:  # by number, and never the one just written (ckpt-000060 of an earlier run sorts last)
+        steps = sorted((int(p.name[5:]), p) for p in root.glob("ckpt-[0-9]*") if p.name[5:].isdigit())
+        older = [p for s, p in steps if s <= step]
+        for old in [p for s, p in steps if s > step] + older[: max(0, len(older) - keep)]:
             shutil.rmtree(old, ignore_errors=True)
     return Checkpoint(step, final, state)
 

@@ -70,9 +70,8 @@ def publish_weights(
         with _writing_lock:
             _writing.discard(tmp)
     remove_orphans(root)
-    if keep > 0:  # workers only ever need the newest version; older ones are pruned
-        for old in sorted(root.glob("v[0-9]*"))[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+    if keep > 0:
+        prune_versions(root, version, keep)
     return PolicyVersion(
         run=run,
         step=version,
@@ -81,6 +80,24 @@ def publish_weights(
         sha256=digests,
         published_at=time.time(),
     )
+
+
+def prune_versions(root: Path, newest: int, keep: int) -> list[Path]:
+    """Remove the version folders under ``root`` other than the ``keep`` newest up to ``newest``.
+
+    Workers only ever need the newest version.  Versions are compared by number, never by name, and
+    ``newest`` itself is never removed.  A folder numbered above ``newest`` is another run's left in
+    the same folder (``rolloutpipe run`` refuses a reused ``--out`` unless told ``--overwrite``): it
+    is removed too, since no worker of this run may load it.
+    """
+    versions = sorted(
+        (int(d.name[1:]), d) for d in root.glob("v[0-9]*") if d.is_dir() and d.name[1:].isdigit()
+    )
+    current = [(v, d) for v, d in versions if v <= newest]
+    doomed = [d for v, d in versions if v > newest] + [d for _, d in current[: max(0, len(current) - keep)]]
+    for d in doomed:
+        shutil.rmtree(d, ignore_errors=True)
+    return doomed
 
 
 def _alive(pid: int) -> bool:
