@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: setup
-	$(BIN)/rolloutpipe run configs/digits.yaml --out runs/demo
+	$(BIN)/rolloutpipe run configs/digits.yaml --out runs/demo --resume
 
 lint: setup
 	$(BIN)/ruff check rolloutpipe tests benchmarks

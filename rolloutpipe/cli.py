@@ -33,6 +33,22 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--out")
     run.add_argument("--redis-url", default="")
     run.add_argument("--no-progress", action="store_true")
+    again = run.add_mutually_exclusive_group()
+    again.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run that --out holds (a finished one is shown again); an empty --out starts one",
+    )
+    again.add_argument(
+        "--overwrite", action="store_true", help="delete the earlier run that --out holds and train afresh"
+    )
+    run.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        metavar="N",
+        help="restart a role that dies, up to N times in a row without progress (default 3; 0: stop the run)",
+    )
     run.add_argument("overrides", nargs="*", help="dotted.key=value")
 
     bench = sub.add_parser("bench", help="sync vs cgp vs cgp-fgd on the emulated engine, side by side")
@@ -173,8 +189,64 @@ def check_task(cfg: Config) -> None:
         task_prompts(cfg.task, cfg.eval.num_prompts, cfg.eval.seed, split="eval")
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _reuse_out(cfg: Config, out: Path, args: argparse.Namespace) -> bool | None:
+    """What to do with an ``--out`` that holds an earlier run: refuse (the default: nothing is
+    touched), ``--overwrite`` it, or ``--resume`` it.  Returns whether the run resumes, or None
+    for a finished run that ``--resume`` only shows again."""
+    from rolloutpipe.runner import clear_out, previous_run, steps_done
+
+    prev = previous_run(out)
+    if prev is None:
+        return False
+    done = steps_done(out)
+    status = prev.get("status", "unknown")
+    what = (f"run '{prev.get('run', '?')}' ({status}, {len(done)} of {prev.get('steps', '?')} steps in "
+            f"{out / 'metrics.jsonl'})")  # fmt: skip
+    pid = prev.get("pid")
+    if status == "running" and isinstance(pid, int) and pid != os.getpid() and _pid_alive(pid):
+        raise ConfigError(f"{out} is in use: the {what} is still running (rolloutpipe run, pid {pid})")
+    if args.overwrite:
+        clear_out(out)
+        log.warning("--overwrite: deleted the earlier %s", what)
+        return False
+    if not args.resume:
+        raise ConfigError(
+            f"{out} already holds {what}; nothing was changed. Add --resume to continue it (a finished "
+            "run is shown again), --overwrite to delete it and train afresh, or give another --out"
+        )
+    if prev.get("run", cfg.run) != cfg.run:
+        other = prev["run"]
+        raise ConfigError(f"--resume: {out} holds run '{other}', not '{cfg.run}' (set run={other})")
+    if status == "finished":
+        if len(done) >= cfg.controller.steps:
+            log.warning("%s: the %s is finished; showing its results (--overwrite trains afresh)", out, what)
+            return None
+        raise ConfigError(
+            f"--resume: {out} holds a finished {what}; training it past its last step is not supported "
+            f"(--steps {cfg.controller.steps}); --overwrite trains afresh"
+        )
+    aof = out / "redis"
+    if not args.redis_url and not (cfg.redis.appendonly and aof.is_dir() and any(aof.iterdir())):
+        raise ConfigError(
+            f"--resume: {out} holds no Redis AOF ({aof}) to replay the {what} from "
+            "(redis.appendonly was off, or it was deleted); --overwrite trains afresh"
+        )
+    log.warning("resuming the %s", what)
+    return True
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    from rolloutpipe.runner import run_embedded, summary_table, write_report
+    from rolloutpipe.runner import run_embedded, steps_done, summary_table, write_report
 
     extra = []
     if args.mode:
@@ -186,12 +258,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = _cfg(args, extra)
     setup_logging(cfg.log_level, "run")
     out = Path(cfg.out)
-    check_task(cfg)
-    if cfg.rollout.engine == "transformers" or cfg.trainer.backend == "torch":
-        from rolloutpipe.policy import ensure_model
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be >= 0, not {args.max_restarts}")
+    resume = _reuse_out(cfg, out, args)
+    if resume is None:  # --resume of a finished run: show it again
+        metrics = steps_done(out)
+    else:
+        check_task(cfg)
+        if cfg.rollout.engine == "transformers" or cfg.trainer.backend == "torch":
+            from rolloutpipe.policy import ensure_model
 
-        log.info("model: %s", ensure_model(cfg.model))
-    metrics = run_embedded(cfg, out, url=args.redis_url, progress=not args.no_progress)
+            log.info("model: %s", ensure_model(cfg.model))
+        metrics = run_embedded(
+            cfg,
+            out,
+            url=args.redis_url,
+            progress=not args.no_progress,
+            resume=resume,
+            max_restarts=args.max_restarts,
+        )
     write_report(cfg, metrics, out)
     print(summary_table(metrics, every=max(1, len(metrics) // 12)))
     print(f"\nmetrics: {out / 'metrics.jsonl'}   report: {out / 'report.json'}, {out / 'report.png'}")

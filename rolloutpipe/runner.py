@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from typing import IO, Any
 from rolloutpipe.broker import acl
 from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.embedded import EmbeddedRedis, Supervisor, find_redis_server, server_major_version
-from rolloutpipe.broker.events import StepMetrics
+from rolloutpipe.broker.events import PolicyVersion, StepMetrics
 from rolloutpipe.broker.streams import Keys, connect_sync
 from rolloutpipe.config import Config, TrainerConfig
 from rolloutpipe.errors import CodecError, RoleError
@@ -31,6 +32,9 @@ class RoleProc:
     proc: subprocess.Popen[bytes]
     log_path: Path
     log_file: IO[bytes]
+    cmd: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    restarts: int = 0
 
 
 @dataclass
@@ -74,9 +78,25 @@ class Cluster:
         if devices:
             env["CUDA_VISIBLE_DEVICES"] = devices
         p = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        rp = RoleProc(name, p, lp, lf)
+        rp = RoleProc(name, p, lp, lf, cmd, env)
         self.procs.append(rp)
         return rp
+
+    def respawn(self, rp: RoleProc) -> None:
+        """Start a dead role again with the same command line; its log goes on in the same file.
+
+        A role recovers its own state from Redis and ``--out`` (the trainer from its checkpoint, a
+        worker's pending requests are reclaimed, the aggregator's and controller's keys are durable),
+        so a new process with the same arguments carries on where the dead one stopped.
+        """
+        rp.log_file.close()
+        rp.log_file = rp.log_path.open("ab")
+        rp.log_file.write(f"\n--- rolloutpipe run: restarted after exit code {rp.proc.returncode}\n".encode())
+        rp.log_file.flush()
+        rp.proc = subprocess.Popen(
+            rp.cmd, stdout=rp.log_file, stderr=subprocess.STDOUT, env=rp.env, start_new_session=True
+        )
+        rp.restarts += 1
 
     def start(self) -> None:
         self.cfg.dump_yaml(self.out / "config.yaml")
@@ -93,12 +113,13 @@ class Cluster:
             self.spawn("rollout", f"rollout-{i}", ["--worker-id", f"{self.cfg.run}-w{i}"], devices=devices)
         self.spawn("controller", "controller")
 
+    def dead(self) -> list[RoleProc]:
+        """The roles that exited with an error or a signal (a role ends with 0 once the run is done)."""
+        return [rp for rp in self.procs if rp.proc.poll() not in (None, 0)]
+
     def failed(self) -> RoleProc | None:
-        for rp in self.procs:
-            code = rp.proc.poll()
-            if code is not None and code != 0:
-                return rp
-        return None
+        dead = self.dead()
+        return dead[0] if dead else None
 
     def stop(self, grace: float = 10.0) -> None:
         for rp in self.procs:
@@ -132,6 +153,58 @@ def tail(path: Path, n: int = 20) -> str:
         return ""
 
 
+RUN_FILE = "run.json"  # OUT/run.json: which run this folder holds, and whether it finished
+RESULTS = ("metrics.jsonl", "checkpoints", "weights", "timeline.jsonl")  # what an earlier run leaves
+
+
+def previous_run(out: Path) -> dict[str, Any] | None:
+    """What ``out`` holds of an earlier run: its ``run.json`` (run, steps, status), or
+    ``{"status": "unknown"}`` for a folder with results but no ``run.json``; None when unused."""
+    try:
+        return dict(json.loads((out / RUN_FILE).read_text()))
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError) as e:
+        return {"status": "unknown", "error": str(e)}
+    if any((out / name).exists() for name in RESULTS):
+        return {"status": "unknown"}
+    return None
+
+
+def steps_done(out: Path) -> list[StepMetrics]:
+    """The trainer's durable record of the steps it committed (``metrics.jsonl``), one per step."""
+    by_step: dict[int, StepMetrics] = {}
+    try:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    for line in lines:
+        if line.strip():
+            m = StepMetrics.model_validate_json(line)
+            by_step[m.step] = m
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def clear_out(out: Path) -> None:
+    """``--overwrite``: remove what an earlier run wrote in ``out`` (its results, logs, AOF)."""
+    for name in (*RESULTS, RUN_FILE, "redis", "logs", "config.yaml", "groups.msgpack"):
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    for path in out.glob("report*"):
+        path.unlink(missing_ok=True)
+
+
+def _write_run_file(out: Path, cfg: Config, status: str, **extra: Any) -> None:
+    rec = {"run": cfg.run, "steps": cfg.controller.steps, "status": status, "pid": os.getpid(), **extra}
+    rec["at"] = time.time()
+    tmp = out / f".{RUN_FILE}.tmp"
+    tmp.write_text(json.dumps(rec))
+    tmp.replace(out / RUN_FILE)
+
+
 def run_cluster(
     cfg: Config,
     url: str,
@@ -140,20 +213,39 @@ def run_cluster(
     progress: bool = True,
     timeout_s: float = 3600.0,
     role_urls: dict[str, str] | None = None,
+    resume: bool = False,
+    max_restarts: int = 0,
 ) -> list[StepMetrics]:
-    """Start every role, follow the trainer's step metrics on ``control``, stop everything."""
+    """Start every role, follow the run until every step is trained, stop everything.
+
+    The run is finished when the published policy version reaches ``controller.steps`` (version
+    k+1 is published only once step k is committed).  ``resume`` keeps ``metrics.jsonl``: the roles
+    carry on from Redis and the trainer's checkpoint.  A role that dies is started again, up to
+    ``max_restarts`` times in a row without the run publishing a new version in between (0: a
+    dead role ends the run with :class:`RoleError`).  Only a run that finished is marked done in
+    Redis and in ``OUT/run.json``; an aborted one is marked ``aborted`` and can be resumed.
+    Returns the trainer's metrics of every step, from ``metrics.jsonl``.
+    """
     out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.jsonl").unlink(missing_ok=True)
+    if not resume:
+        (out / "metrics.jsonl").unlink(missing_ok=True)
     r = connect_sync(url)  # retries through a Redis restart, as the roles' clients do
     keys = Keys(cfg.run)
     cluster = Cluster(cfg, url, out, role_urls=dict(role_urls or {}))
-    metrics: list[StepMetrics] = []
+    steps = cfg.controller.steps
+
+    def version() -> int:
+        raw: Any = r.get(keys.version)
+        return -1 if raw is None else DEFAULT_CODEC.decode_as(raw, PolicyVersion).policy_version
+
+    start_v = max(0, version())
     bar: Any = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(
-            total=cfg.controller.steps,
+            total=steps,
+            initial=min(start_v, steps),
             desc=f"{cfg.run} [{cfg.mode}]",
             unit="step",
             file=sys.stderr,
@@ -161,19 +253,31 @@ def run_cluster(
         )
     last_id = "0-0"
     deadline = time.monotonic() + timeout_s
+    seen: set[int] = set()
+    since_progress: dict[str, int] = {}  # deaths of each role since the version last moved
+    last_v = start_v
+    finished = False
+    _write_run_file(out, cfg, "running")
     try:
         cluster.start()
-        while len(metrics) < cfg.controller.steps:
-            bad = cluster.failed()
-            if bad is not None:
-                raise RoleError(
-                    f"role {bad.name} exited with code {bad.proc.returncode}; last lines of {bad.log_path}:\n"
-                    + tail(bad.log_path)
-                )
+        while (v := version()) < steps:
+            if v > last_v:
+                last_v = v
+                since_progress.clear()
+            for bad in cluster.dead():
+                since_progress[bad.name] = since_progress.get(bad.name, 0) + 1
+                if since_progress[bad.name] > max_restarts:
+                    why = f" {max_restarts} restart(s) in a row did not help;" if max_restarts else ""
+                    raise RoleError(
+                        f"role {bad.name} exited with code {bad.proc.returncode};{why} last lines of "
+                        f"{bad.log_path}:\n" + tail(bad.log_path)
+                    )
+                n = since_progress[bad.name]
+                log.warning("role %s exited with code %s at version %d; restarting it (%d of %d)",
+                            bad.name, bad.proc.returncode, v, n, max_restarts)  # fmt: skip
+                cluster.respawn(bad)
             if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"run {cfg.run} did not finish {cfg.controller.steps} steps in {timeout_s:.0f}s"
-                )
+                raise TimeoutError(f"run {cfg.run} did not finish {steps} steps in {timeout_s:.0f}s")
             resp: Any = r.xread({keys.control: last_id}, count=100, block=200)
             for _stream, items in resp or []:
                 for eid, fields in items:
@@ -182,32 +286,45 @@ def run_cluster(
                         ev = DEFAULT_CODEC.decode(fields.get(b"d", b""))
                     except CodecError:
                         continue  # the controller dead-letters bad control entries
-
-                    if isinstance(ev, StepMetrics):
-                        metrics.append(ev)
+                    if isinstance(ev, StepMetrics) and ev.step >= start_v and ev.step not in seen:
+                        seen.add(ev.step)
                         if bar is not None:
-                            held_out = [m.eval_reward for m in metrics if m.eval_reward is not None]
+                            held = {} if ev.eval_reward is None else {"held_out": f"{ev.eval_reward:.3f}"}
                             bar.set_postfix(
                                 reward=f"{ev.reward_mean:.2f}",
-                                **({"held_out": f"{held_out[-1]:.3f}"} if held_out else {}),
+                                **held,
                                 wait=f"{ev.trainer_wait_ratio:.2f}",
                                 r2t=f"{ev.rollout_to_train_end_s:.2f}s",
                             )
                             bar.update(1)
-        # The trainer sends a step's metrics just before publishing its weights; let it finish.
+        # The last version is out; the trainer still acknowledges the step's groups, then exits
+        # once the controller marks the run done.  A trainer that dies here is restarted to finish.
         trainer = next((p for p in cluster.procs if p.name == "trainer"), None)
-        if trainer is not None:
-            try:
-                trainer.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                log.warning("trainer still running 60 s after its last step; stopping it")
+        wait_until, respawned = time.monotonic() + 60, 0
+        while trainer is not None and trainer.proc.poll() != 0:
+            if trainer.proc.poll() is not None:
+                if respawned >= max_restarts:
+                    raise RoleError(
+                        f"the trainer exited with code {trainer.proc.returncode} after the last version; "
+                        f"last lines of {trainer.log_path}:\n" + tail(trainer.log_path)
+                    )
+                respawned += 1
+                cluster.respawn(trainer)
+            if time.monotonic() > wait_until:
+                log.warning("trainer still running 60 s after the last version; stopping it")
+                break
+            time.sleep(0.1)
+        finished = True
     finally:
         if bar is not None:
             bar.close()
-        r.set(keys.done, b"1")
+        if finished:
+            r.set(keys.done, b"1")
         cluster.stop()
+        status = "finished" if finished else "aborted"
+        _write_run_file(out, cfg, status, version=steps if finished else last_v)
         r.close()
-    return metrics
+    return steps_done(out)
 
 
 SUMMARY_FIELDS = (
@@ -308,17 +425,27 @@ def _median(xs: list[float]) -> float | None:
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
-def run_embedded(cfg: Config, out: Path, url: str = "", progress: bool = True) -> list[StepMetrics]:
+def run_embedded(
+    cfg: Config,
+    out: Path,
+    url: str = "",
+    progress: bool = True,
+    *,
+    resume: bool = False,
+    max_restarts: int = 0,
+) -> list[StepMetrics]:
     """Use ``url`` or start a private redis-server for the duration of the run.
 
     With ``redis.appendonly`` (the default) the private server keeps an AOF in ``OUT/redis``
-    (``redis.appendfsync``), started empty, and is restarted from it if it dies during the run.
+    (``redis.appendfsync``), and is restarted from it if it dies during the run.  A new run starts
+    it empty; ``resume`` replays it, so the run's streams, plans and versions come back.
     """
+    kw: dict[str, Any] = {"progress": progress, "resume": resume, "max_restarts": max_restarts}
     if url:
-        return run_cluster(cfg, url, out, progress=progress)
+        return run_cluster(cfg, url, out, **kw)
     rc = cfg.redis
     data = out / "redis"
-    if rc.appendonly:
+    if rc.appendonly and not resume:
         shutil.rmtree(data, ignore_errors=True)  # a new run: never replay an older run's AOF
     extra: list[str] = []
     pw: dict[str, str] = {}
@@ -326,7 +453,7 @@ def run_embedded(cfg: Config, out: Path, url: str = "", progress: bool = True) -
         major = server_major_version(find_redis_server())
         if major >= 7:
             pw = acl.random_passwords()
-            extra = acl.server_args(pw, admin_password=pw["admin"])
+            extra = acl.server_args(pw, admin_password=pw["admin"], sealed_default=secrets.token_hex(16))
         else:
             log.warning("redis-server %d has no per-key ACL selectors: running without role users", major)
     er = EmbeddedRedis(
@@ -337,8 +464,8 @@ def run_embedded(cfg: Config, out: Path, url: str = "", progress: bool = True) -
     )
     with er, Supervisor(er) if rc.appendonly else contextlib.nullcontext():
         if not pw:
-            return run_cluster(cfg, er.url, out, progress=progress)
+            return run_cluster(cfg, er.url, out, **kw)
         urls = {role: acl.user_url(er.url, role, pw[role]) for role in acl.ROLES}
         log.info("Redis users per role; read-only access: --redis-url %s", urls["observer"])
         admin = acl.user_url(er.url, "admin", pw["admin"])
-        return run_cluster(cfg, admin, out, progress=progress, role_urls=urls)
+        return run_cluster(cfg, admin, out, role_urls=urls, **kw)

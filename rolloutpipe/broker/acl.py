@@ -84,9 +84,20 @@ ROLE_RULES: dict[str, list[str]] = {
 ROLES = tuple(ROLE_RULES)
 
 
-def server_args(passwords: dict[str, str], admin_password: str = "") -> list[str]:
-    """redis-server arguments: the default user off, one user per role (and an admin, if given)."""
-    args = ["--user", "default", "off"]
+def server_args(passwords: dict[str, str], admin_password: str = "", sealed_default: str = "") -> list[str]:
+    """redis-server arguments: the default user off, one user per role (and an admin, if given).
+
+    ``sealed_default``: instead of off, the default user gets every permission behind this password,
+    which nobody is given.  To a client that is the same as off (a connection is logged in as
+    ``default`` only while it has ``nopass``), but Redis 7.0 replays its AOF as the default user and
+    checks each ``EXEC`` against it: with the default user off it drops every transaction of the AOF
+    (``-NOPERM ... after processing the command 'exec'`` in its log), and a restarted or resumed run
+    would lose its versions, plans and commits (tests/test_run_supervision.py).
+    """
+    if sealed_default:
+        args = ["--user", "default", "on", f">{sealed_default}", "~*", "&*", "+@all"]
+    else:
+        args = ["--user", "default", "off"]
     for role, rules in ROLE_RULES.items():
         args += ["--user", role, "on", f">{passwords[role]}", *rules]
     if admin_password:  # ``rolloutpipe run`` itself: sets ``done``, follows ``control``

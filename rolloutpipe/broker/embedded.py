@@ -125,7 +125,11 @@ class EmbeddedRedis:
                 str(Path(workdir) / "redis.log"),
                 *self.extra_args,
             ]
-            self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            # its own session: a Ctrl-C in the terminal reaches the run, which stops the server
+            # itself, not the server (which would exit 0 and be "restarted" by the Supervisor)
+            self.proc = subprocess.Popen(
+                args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+            )
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
