@@ -153,6 +153,7 @@ def tail(path: Path, n: int = 20) -> str:
         return ""
 
 
+WATCH = "watch the run: rolloutpipe status --run %s --redis-url %s --watch"
 RUN_FILE = "run.json"  # OUT/run.json: which run this folder holds, and whether it finished
 RESULTS = ("metrics.jsonl", "checkpoints", "weights", "timeline.jsonl")  # what an earlier run leaves
 
@@ -266,8 +267,11 @@ def run_cluster(
                 since_progress.clear()
             for bad in cluster.dead():
                 since_progress[bad.name] = since_progress.get(bad.name, 0) + 1
-                if since_progress[bad.name] > max_restarts:
+                no_ckpt = bad.name == "trainer" and cfg.trainer.backend == "deepspeed"
+                if since_progress[bad.name] > max_restarts or no_ckpt:
                     why = f" {max_restarts} restart(s) in a row did not help;" if max_restarts else ""
+                    if no_ckpt:  # it would resume the step from its initial weights
+                        why = " the DeepSpeed backend keeps no checkpoint, so it is not restarted;"
                     raise RoleError(
                         f"role {bad.name} exited with code {bad.proc.returncode};{why} last lines of "
                         f"{bad.log_path}:\n" + tail(bad.log_path)
@@ -464,8 +468,10 @@ def run_embedded(
     )
     with er, Supervisor(er) if rc.appendonly else contextlib.nullcontext():
         if not pw:
+            log.info(WATCH, cfg.run, er.url)
             return run_cluster(cfg, er.url, out, **kw)
         urls = {role: acl.user_url(er.url, role, pw[role]) for role in acl.ROLES}
         log.info("Redis users per role; read-only access: --redis-url %s", urls["observer"])
+        log.info(WATCH, cfg.run, urls["observer"])
         admin = acl.user_url(er.url, "admin", pw["admin"])
         return run_cluster(cfg, admin, out, role_urls=urls, **kw)

