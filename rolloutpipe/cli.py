@@ -189,6 +189,34 @@ def check_task(cfg: Config) -> None:
         task_prompts(cfg.task, cfg.eval.num_prompts, cfg.eval.seed, split="eval")
 
 
+def _preflight(cfg: Config, url: str) -> None:
+    """What would fail only after every role has started, or train nothing, is refused here, before
+    anything is started or written."""
+    import importlib.util
+
+    if cfg.controller.steps < 1:
+        raise ConfigError(f"controller.steps (--steps) must be at least 1, not {cfg.controller.steps}")
+    for kind in cfg.trainer.log_to:
+        if importlib.util.find_spec(kind) is None:
+            raise ConfigError(f"trainer.log_to has {kind!r} but {kind} is not installed: pip install {kind}")
+    if cfg.controller.group_size == 1:
+        log.warning(
+            "controller.group_size=1: a group of one sample has a group-relative advantage of 0, so "
+            "GRPO learns nothing from it (unless an allocation policy gives groups more samples)"
+        )
+    if url:
+        from rolloutpipe import ops
+
+        try:
+            r = ops.connect(url)
+            try:
+                r.ping()
+            finally:
+                r.close()
+        except (*ops.REDIS_DOWN, ops.REDIS_REFUSED) as e:
+            raise ConfigError(f"{ops.redis_failure(url, e)}; nothing was started") from e
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -260,6 +288,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     out = Path(cfg.out)
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0, not {args.max_restarts}")
+    _preflight(cfg, args.redis_url)
     resume = _reuse_out(cfg, out, args)
     if resume is None:  # --resume of a finished run: show it again
         metrics = steps_done(out)

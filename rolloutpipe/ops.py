@@ -26,8 +26,8 @@ from typing import Any, TextIO
 import numpy as np
 import redis
 from pydantic import BaseModel
+from redis.exceptions import AuthenticationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rolloutpipe.broker.codec import DEFAULT_CODEC
@@ -80,7 +80,7 @@ def redact(url: str) -> str:
 
 def redis_failure(url: str, e: Exception) -> str:
     """One line for an operator: unreachable, or refused (wrong password, missing ACL permission)."""
-    if isinstance(e, REDIS_DOWN):
+    if isinstance(e, REDIS_DOWN) and not isinstance(e, AuthenticationError):  # (a ConnectionError)
         return f"cannot reach Redis at {redact(url)}: {e}"
     return f"Redis at {redact(url)} refused: {type(e).__name__}: {e}"
 

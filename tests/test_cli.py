@@ -130,3 +130,45 @@ def test_sigterm_stops_everything_run_started(tmp_path: Path) -> None:
     port = int(re.search(r"embedded redis-server on 127\.0\.0\.1:(\d+)", err).group(1))  # type: ignore[union-attr]
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=2):
         pass
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--steps", "0"], "controller.steps (--steps) must be at least 1, not 0"),
+        (["trainer.log_to=[wandb]"], "trainer.log_to has 'wandb' but wandb is not installed"),
+        (["--redis-url", "redis://127.0.0.1:1/0"], "cannot reach Redis at redis://127.0.0.1:1/0"),
+    ],
+)
+def test_what_would_fail_after_the_roles_start_is_refused_before(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    """``--steps 0`` started every role and named a metrics file never written; a missing logger
+    failed only once every role was up; an unreachable Redis gave a minute of retries and a long
+    traceback.  Each is now one line, and nothing is started or written."""
+    import importlib.util
+
+    if "wandb" in " ".join(args):
+        assert importlib.util.find_spec("wandb") is None  # the core venv has no wandb
+    out = tmp_path / "out"
+    p = _rp("run", "configs/demo.yaml", "--out", str(out), "--no-progress", *args, *EMULATED_FAST, timeout=60)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert message in p.stderr and "Traceback" not in p.stderr
+    assert not out.exists()
+
+
+def test_a_wrong_password_is_refused_before_anything_starts(tmp_path: Path, redis_url: str) -> None:
+    url = redis_url.replace("redis://", "redis://nobody:secret@")
+    out = tmp_path / "out"
+    p = _rp("run", "configs/demo.yaml", "--out", str(out), "--redis-url", url, "--no-progress",
+            *EMULATED_FAST, timeout=60)  # fmt: skip
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "refused" in p.stderr and "secret" not in p.stderr and "***" in p.stderr
+    assert "Traceback" not in p.stderr and not out.exists()
+
+
+def test_a_group_of_one_is_warned_about(tmp_path: Path) -> None:
+    p = _rp("run", "configs/demo.yaml", "--steps", "1", "--out", str(tmp_path / "g1"), "--no-progress",
+            *EMULATED_FAST, "controller.group_size=1", timeout=120)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "controller.group_size=1: a group of one sample has a group-relative advantage of 0" in p.stderr
