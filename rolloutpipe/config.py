@@ -287,6 +287,9 @@ class RolloutConfig(_Section):
     temperature: float = 1.0
     heartbeat_s: float = 1.0
     claim_idle_s: float = 5.0  # a pending request untouched this long belongs to a dead worker
+    # a request whose generation raised this many times (its deliveries, over every worker) is
+    # dead-lettered as ``failed_requests`` instead of retried forever; ``rolloutpipe run`` then stops
+    max_attempts: int = Field(default=3, ge=1)
     # How FIFO modes (sync, cgp) hand requests to engines.  "share": like a router that dispatches
     # every request on arrival (slime + SGLang router), each engine takes its share of the step into
     # its own waiting queue at once.  "none": pull only into free slots (late binding).  cgp-fgd

@@ -33,6 +33,11 @@ class PolicyError(RolloutPipeError):
     """A scheduling policy decided something the controller cannot apply (a bug in the policy)."""
 
 
+class RequestFailedError(RolloutPipeError):
+    """A request failed on every attempt (``rollout.max_attempts``) and was dead-lettered, so its
+    step can never complete; ``rolloutpipe run`` stops with the reason instead of waiting."""
+
+
 class RoleError(RolloutPipeError):
     """A role process that ``rolloutpipe run`` started exited before the run ended."""
 

@@ -18,10 +18,10 @@ from typing import IO, Any
 from rolloutpipe.broker import acl
 from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.embedded import EmbeddedRedis, Supervisor, find_redis_server, server_major_version
-from rolloutpipe.broker.events import PolicyVersion, StepMetrics
+from rolloutpipe.broker.events import DeadLetter, PolicyVersion, StepMetrics
 from rolloutpipe.broker.streams import Keys, connect_sync
 from rolloutpipe.config import Config, TrainerConfig
-from rolloutpipe.errors import CodecError, RoleError
+from rolloutpipe.errors import CodecError, RequestFailedError, RoleError
 
 log = logging.getLogger("rolloutpipe.run")
 
@@ -206,6 +206,28 @@ def _write_run_file(out: Path, cfg: Config, status: str, **extra: Any) -> None:
     tmp.replace(out / RUN_FILE)
 
 
+def _check_failed_requests(r: Any, keys: Keys, cfg: Config) -> None:
+    """Raise :class:`RequestFailedError` once a request has been dead-lettered after failing every
+    attempt: its group can never be complete, so the step would wait forever."""
+    n = int(r.hget(keys.stats, "failed_requests") or 0)
+    if n == 0:
+        return
+    reason = ""
+    for _id, fields in r.xrevrange(keys.dlq, count=200) or []:
+        try:
+            dl = DEFAULT_CODEC.decode_as(fields.get(b"d", b""), DeadLetter)
+        except CodecError:
+            continue
+        if dl.reason.startswith("generation failed"):
+            reason = f" The last: step {dl.step}: {dl.reason}."
+            break
+    raise RequestFailedError(
+        f"{n} request(s) of run {cfg.run} failed on all {cfg.rollout.max_attempts} attempts "
+        f"(rollout.max_attempts) and were dead-lettered, so the step cannot complete.{reason} "
+        f"See them with: rolloutpipe dlq list --run {cfg.run} --reason 'generation failed'"
+    )
+
+
 def run_cluster(
     cfg: Config,
     url: str,
@@ -255,6 +277,7 @@ def run_cluster(
     last_id = "0-0"
     deadline = time.monotonic() + timeout_s
     seen: set[int] = set()
+    held: dict[str, str] = {}
     since_progress: dict[str, int] = {}  # deaths of each role since the version last moved
     last_v = start_v
     finished = False
@@ -282,6 +305,7 @@ def run_cluster(
                 cluster.respawn(bad)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"run {cfg.run} did not finish {steps} steps in {timeout_s:.0f}s")
+            _check_failed_requests(r, keys, cfg)
             resp: Any = r.xread({keys.control: last_id}, count=100, block=200)
             for _stream, items in resp or []:
                 for eid, fields in items:
@@ -293,7 +317,8 @@ def run_cluster(
                     if isinstance(ev, StepMetrics) and ev.step >= start_v and ev.step not in seen:
                         seen.add(ev.step)
                         if bar is not None:
-                            held = {} if ev.eval_reward is None else {"held_out": f"{ev.eval_reward:.3f}"}
+                            if ev.eval_reward is not None:  # the latest held-out score stays shown
+                                held = {"held_out": f"{ev.eval_reward:.3f}"}
                             bar.set_postfix(
                                 reward=f"{ev.reward_mean:.2f}",
                                 **held,

@@ -180,3 +180,28 @@ def test_an_acl_servers_aof_replays_transactions_and_still_refuses_strangers(tmp
             redis.Redis(port=er.port).ping()
     finally:
         er.stop()
+
+
+def test_a_request_that_always_fails_is_dead_lettered_and_stops_the_run(
+    tmp_path: Path, model_cache: str
+) -> None:
+    """A prompt with a character outside the tiny model's vocabulary failed every request with the
+    same ValueError and was retried forever while the bar sat at 0.  After ``rollout.max_attempts``
+    deliveries it is dead-lettered, and ``run`` stops with the reason and the command to see them."""
+    data = tmp_path / "train.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"W{i % 10}+1=", "label": (i + 1) % 10}) + "\n" for i in range(64))
+    )
+    out = tmp_path / "out"
+    r = subprocess.run(
+        [sys.executable, "-m", "rolloutpipe", "run", "configs/demo.yaml", "--steps", "2", "--out", str(out),
+         "--no-progress", f"model.cache_dir={model_cache}", "task.dataset=slime", f"task.path={data}",
+         "rollout.claim_idle_s=0.5", "rollout.max_attempts=2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "failed on all 2 attempts (rollout.max_attempts) and were dead-lettered" in r.stderr
+    assert "ValueError: character 'W' is not in the vocabulary" in r.stderr
+    assert "rolloutpipe dlq list --run demo --reason 'generation failed'" in r.stderr
+    assert "Traceback" not in r.stderr.split("rolloutpipe: error:")[-1]
+    assert json.loads((out / "run.json").read_text())["status"] == "aborted"

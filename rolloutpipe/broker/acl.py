@@ -50,7 +50,7 @@ ROLE_RULES: dict[str, list[str]] = {
         "~rp:*:worker:*", "~rp:*:samples:*", "~rp:*:sample_shards", "~rp:*:workers", "~rp:*:migrated:*",
         *_ONCE_KEYS, "%R~rp:*:version", "%R~rp:*:control", "%R~rp:*:plan:*", "%R~rp:*:done",
         "%R~rp:*:closed:*", "%R~rp:*:lease",
-        "-@all", "+@connection", *_TX, *_ONCE, "+xadd", *_STREAM_CONSUMER, "+xclaim", "+xread",
+        "-@all", "+@connection", *_TX, *_ONCE, "+xadd", *_STREAM_CONSUMER, "+xclaim", "+xpending", "+xread",
         "+xrevrange", "+del", "+exists", "+incr", "+incrby", "+hincrby", "+scan", "+sadd", "+smembers",
         "+sismember", "+zadd", "+zrem", "+zremrangebyscore", "+zrangebyscore", "+mget",
     ],

@@ -717,6 +717,11 @@ class Broker:
     def decode(self, entry: Entry) -> Event:
         return self.codec.decode(entry.data)
 
+    async def deliveries(self, entry: Entry, group: str) -> int:
+        """How many times ``entry`` was delivered to ``group``'s consumers (0 once acknowledged)."""
+        got: Any = await self.r.xpending_range(entry.stream, group, min=entry.id, max=entry.id, count=1)
+        return int(got[0]["times_delivered"]) if got else 0
+
     async def dead_letter(
         self,
         entry: Entry | None,

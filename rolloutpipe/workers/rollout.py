@@ -253,11 +253,21 @@ class RolloutWorker:
             metrics.STEP.labels("rollout").set(req.step)
         except asyncio.CancelledError:
             raise
-        except Exception:
-            # Left pending (not acknowledged): after claim_idle_s a live worker reclaims and redoes it.
-            log.exception("request %s failed; left pending for another attempt", req.request_id)
+        except Exception as e:
+            # Left pending (not acknowledged): after claim_idle_s a live worker reclaims and redoes it,
+            # until it has been delivered rollout.max_attempts times: then it is a poison request.
             with contextlib.suppress(Exception):
                 await self.b.incr("generation_errors")
+            tries = 0
+            with contextlib.suppress(Exception):  # unknown: left pending, as before
+                tries = await self.b.deliveries(entry, GROUP)
+            if tries >= self.cfg.rollout.max_attempts:
+                why = f"generation failed on all {tries} attempts: {type(e).__name__}: {e}"
+                log.error("request %s: %s; dead-lettered", req.request_id, why)
+                await self.drop(entry, req, why, counter="failed_requests")
+            else:
+                log.exception("request %s failed (attempt %d of %d); left pending for another attempt",
+                              req.request_id, tries, self.cfg.rollout.max_attempts)  # fmt: skip
         finally:
             self.inflight.pop(entry.id, None)
             self.inflight_reqs.pop(entry.id, None)
