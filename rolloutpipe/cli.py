@@ -442,14 +442,17 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_tail(args: argparse.Namespace) -> int:
     from rolloutpipe import ops
+    from rolloutpipe.broker.streams import Keys
 
     url = ops.redis_url(args.redis_url)
     r = ops.connect(url)
     where = ops.Filter(group=args.group, policy_version=args.policy_version, kind=args.kind)
     try:
-        if not ops.stream_exists(r, args.run, args.stream):
+        exists = ops.stream_exists(r, args.run, args.stream)
+        if not exists:
             print(f"rolloutpipe: note: run {args.run!r} has no {args.stream} stream (yet)", file=sys.stderr)
-        ops.tail(
+        done_key = Keys(args.run).done
+        written = ops.tail(
             r,
             args.run,
             args.stream,
@@ -459,7 +462,15 @@ def cmd_tail(args: argparse.Namespace) -> int:
             follow=args.follow,
             where=where,
             pretty=args.pretty,
+            stop=lambda: bool(r.exists(done_key)),  # --follow ends with the run
         )
+        if args.follow:
+            print(f"rolloutpipe: note: run {args.run!r} is done; nothing more will come", file=sys.stderr)
+        elif exists and written == 0 and (args.n > 0 or args.from_start):
+            held = int(r.xlen(ops.stream_key(Keys(args.run), args.stream)) or 0)
+            trimmed = "it holds none now (entries are trimmed once consumed: redis.trim); --follow waits"
+            why = f"none of its {held} entries matches" if held else trimmed
+            print(f"rolloutpipe: note: no {args.stream} entry printed: {why}", file=sys.stderr)
     except (*ops.REDIS_DOWN, ops.REDIS_REFUSED) as e:
         print(f"rolloutpipe: error: {ops.redis_failure(url, e)}", file=sys.stderr)
         return 2

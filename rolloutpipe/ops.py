@@ -236,8 +236,9 @@ def tail(
         for d in last_matching(r, key, stream, n, where, newest=cursor):
             write(d)
             written += 1
-    while follow and not (stop is not None and stop()):
-        resp: Any = r.xread({key: cursor}, count=PAGE, block=block_ms)
+    while follow:
+        final = stop is not None and stop()  # then read what is left without blocking, and end
+        resp: Any = r.xread({key: cursor}, count=PAGE, block=None if final else block_ms)
         for _key, items in resp or []:
             for eid, fields in items:
                 d = decode_entry(stream, eid, fields)
@@ -245,6 +246,8 @@ def tail(
                 if where(d):
                     write(d)
                     written += 1
+        if final and not resp:
+            break
     return written
 
 

@@ -351,3 +351,36 @@ def _closed_port() -> int:
 def _id_key(eid: str) -> tuple[int, int]:
     ms, seq = eid.split("-")
     return int(ms), int(seq)
+
+
+def test_tail_says_why_it_printed_nothing_and_follow_ends_with_the_run(redis_url: str) -> None:
+    """``tail samples -n 1`` on a trimmed stream printed nothing without a word, and ``--follow``
+    never exited after the run ended.  Both now end with a note, and ``--follow`` still prints
+    what came before the end."""
+    run = f"t{uuid.uuid4().hex[:8]}"
+    k = Keys(run)
+    r = redis.Redis.from_url(redis_url)
+    eid = r.xadd(k.samples, {"d": b"x"})
+    r.xdel(k.samples, eid)  # what trimming leaves: the stream, with no entries
+    url = ["--run", run, "--redis-url", redis_url]
+    p = _rp("tail", "samples", *url, "-n", "1")
+    assert p.returncode == 0 and p.stdout == ""
+    assert "no samples entry printed: it holds none now (entries are trimmed once consumed" in p.stderr
+
+    follow = subprocess.Popen([sys.executable, "-m", "rolloutpipe", "tail", "dlq", *url, "--from-start",
+                               "--follow"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    try:
+        assert follow.stdout is not None
+        r.xadd(k.dlq, {"d": b"not msgpack"})  # an undecodable entry becomes an error line
+        line = json.loads(follow.stdout.readline())
+        assert line["stream"] == "dlq"
+        r.xadd(k.dlq, {"d": b"also not msgpack"})
+        r.set(k.done, b"1")  # the run ends: --follow prints what is left, then exits
+        out, err = follow.communicate(timeout=30)
+    finally:
+        if follow.poll() is None:
+            follow.kill()
+    assert follow.returncode == 0, err
+    assert len(out.splitlines()) == 1 and "is done; nothing more will come" in err
+    r.close()
