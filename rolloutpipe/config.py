@@ -32,7 +32,7 @@ import os
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Literal, get_origin
+from typing import Any, ClassVar, Literal, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -415,7 +415,60 @@ class DeepSpeedConfig(_Section):
     extra: dict[str, Any] = Field(default_factory=dict)  # merged into the generated DS config
 
 
+# verl's and TRL's names of trainer keys (docs/grpo.md, "Options, with their verl and TRL names"),
+# accepted under ``trainer.`` and read as ours: name -> (whose, our key)
+TRAINER_ALIASES: dict[str, tuple[str, str]] = {
+    "clip_ratio": ("verl", "clip_eps"),
+    "clip_ratio_low": ("verl", "clip_low"),
+    "clip_ratio_high": ("verl", "clip_high"),
+    "kl_loss_coef": ("verl", "kl_coef"),
+    "kl_loss_type": ("verl", "kl_estimator"),
+    "entropy_coeff": ("verl", "entropy_coef"),
+    "loss_agg_mode": ("verl", "loss_agg"),
+    "epsilon": ("TRL", "clip_eps"),
+    "epsilon_high": ("TRL", "clip_high"),
+    "beta": ("TRL", "kl_coef"),
+}
+KL_ESTIMATORS = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}  # verl's kl_loss_type values
+VERL_KL_LOSS_COEF = 0.001  # verl's kl_loss_coef default, taken by use_kl_loss=true alone
+
+
+def _trainer_aliases(data: dict[str, Any]) -> dict[str, Any]:
+    """verl's and TRL's keys (and verl's ``use_kl_loss`` switch and ``kl_loss_type`` values) as ours."""
+    data = dict(data)
+    for alias, (whose, ours) in TRAINER_ALIASES.items():
+        if alias not in data:
+            continue
+        value = data.pop(alias)
+        if ours in data and data[ours] != value:
+            raise ValueError(
+                f"{alias} is {whose}'s name of {ours}: give one of them ({value!r} vs {data[ours]!r})"
+            )
+        log.info("trainer.%s is %s's name: read as trainer.%s", alias, whose, ours)
+        data[ours] = value
+    if "use_kl_loss" in data:  # verl: the KL term only with use_kl_loss, at kl_loss_coef
+        use = data.pop("use_kl_loss")
+        if not isinstance(use, bool):
+            raise ValueError(f"use_kl_loss (verl) must be true or false, not {use!r}")
+        if not use:
+            data["kl_coef"] = 0.0
+        elif not data.get("kl_coef"):
+            data["kl_coef"] = VERL_KL_LOSS_COEF
+    est = data.get("kl_estimator")
+    if isinstance(est, str) and est in KL_ESTIMATORS:
+        data["kl_estimator"] = KL_ESTIMATORS[est]
+    return data
+
+
 class TrainerConfig(_Section):
+    # accepted besides the fields: verl's and TRL's names (TRAINER_ALIASES) and verl's use_kl_loss
+    ALIASES: ClassVar[frozenset[str]] = frozenset({*TRAINER_ALIASES, "use_kl_loss"})
+    # other projects' keys with no one-to-one counterpart: the hint given instead of a near name
+    HINTS: ClassVar[dict[str, str]] = {
+        "loss_type": "TRL's loss_type is trainer.loss_agg here, with verl's values: see docs/grpo.md",
+        "kl_penalty": "verl's in-reward KL is not supported; the KL loss term is trainer.kl_coef",
+    }
+
     backend: Literal["torch", "emulated", "deepspeed"] = "torch"
     # "pipelined" (CGP): forward/backward per group as groups arrive, a step at each mini-batch
     # boundary.  "barrier" (slime's loop): the same computation once the step's last group is in.
@@ -467,6 +520,11 @@ class TrainerConfig(_Section):
         if v:
             parse_listen(v)  # a ValueError says what is wrong
         return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _aliases(cls, data: Any) -> Any:
+        return _trainer_aliases(data) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _check_loss(self) -> TrainerConfig:
@@ -644,6 +702,11 @@ def _key_error(
     for i, part in enumerate(parts):
         fields = model.model_fields
         here = ".".join(parts[: i + 1])
+        if part in getattr(model, "ALIASES", ()):
+            return None  # another project's name of a key, read as ours (TRAINER_ALIASES)
+        hints: dict[str, str] = getattr(model, "HINTS", {})
+        if part in hints:
+            return f"{here} is not a config key ({hints[part]})"
         if part not in fields:
             near = difflib.get_close_matches(part, list(fields), n=1)
             hint = f" (did you mean {name([*parts[:i], near[0]])}?)" if near else ""
@@ -698,7 +761,13 @@ class _Layer(PydanticBaseSettingsSource):
     data: dict[str, Any]
 
     def _expanded(self, data: dict[str, Any]) -> dict[str, Any]:
-        self.data = _expand_preset(data, self.label)
+        data = _expand_preset(data, self.label)
+        if isinstance(data.get("trainer"), dict):  # verl's and TRL's names, within the layer that used them
+            try:
+                data = {**data, "trainer": _trainer_aliases(data["trainer"])}
+            except ValueError as e:
+                raise ConfigError(f"{self.label}: trainer.{e}") from e
+        self.data = data
         return self.data
 
     def origins(self, parts: list[str]) -> list[str]:

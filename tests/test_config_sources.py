@@ -213,3 +213,45 @@ def test_a_config_file_that_is_not_yaml(tmp_path: Path) -> None:
 
 def test_an_empty_config_file_gives_the_defaults(tmp_path: Path) -> None:
     assert load_config(write(tmp_path, ""), environ={}) == Config()
+
+
+# --- verl's and TRL's names of the loss options (docs/grpo.md) ---
+
+
+@pytest.mark.parametrize(
+    ("given", "want"),
+    [
+        (["trainer.clip_ratio_low=0.1", "trainer.clip_ratio_high=0.28"],
+         {"clip_low": 0.1, "clip_high": 0.28}),
+        (["trainer.clip_ratio=0.3"], {"clip_eps": 0.3}),
+        (["trainer.use_kl_loss=true", "trainer.kl_loss_coef=0.01"], {"kl_coef": 0.01}),
+        (["trainer.use_kl_loss=true"], {"kl_coef": 0.001}),  # verl's kl_loss_coef default
+        (["trainer.use_kl_loss=false", "trainer.kl_loss_coef=0.01"], {"kl_coef": 0.0}),  # verl ignores it
+        (["trainer.kl_loss_type=low_var_kl"], {"kl_estimator": "k3"}),
+        (["trainer.kl_estimator=mse"], {"kl_estimator": "k2"}),
+        (["trainer.loss_agg_mode=seq-mean-token-sum-norm"], {"loss_agg": "seq-mean-token-sum-norm"}),
+        (["trainer.entropy_coeff=0.001"], {"entropy_coef": 0.001}),
+        (["trainer.epsilon=0.25", "trainer.epsilon_high=0.28", "trainer.beta=0.04"],
+         {"clip_eps": 0.25, "clip_high": 0.28, "kl_coef": 0.04}),
+    ],
+)  # fmt: skip
+def test_verl_and_trl_names_are_read_as_ours(given: list[str], want: dict[str, object]) -> None:
+    """``trainer.clip_ratio_high`` used to be refused with 'did you mean trainer.clip_ratio_c?'."""
+    t = load_config(None, given, environ={}).trainer
+    assert {k: getattr(t, k) for k in want} == want
+
+
+def test_a_foreign_name_works_in_every_layer_and_a_later_layer_wins(tmp_path: Path) -> None:
+    f = write(tmp_path, "trainer:\n  loss_agg: token-mean\n  clip_ratio_high: 0.3\n")
+    env = {"RP_TRAINER__CLIP_RATIO_LOW": "0.15"}
+    t = load_config(f, ["trainer.loss_agg_mode=seq-mean-token-mean"], environ=env).trainer
+    assert (t.clip_low, t.clip_high, t.loss_agg) == (0.15, 0.3, "seq-mean-token-mean")
+    assert load_config(f, ["trainer.clip_high=0.2"], environ={}).trainer.clip_high == 0.2
+
+
+def test_a_foreign_name_and_ours_disagreeing_in_one_layer_is_an_error(tmp_path: Path) -> None:
+    msg = error(None, ["trainer.clip_ratio_high=0.28", "trainer.clip_high=0.3"], environ={})
+    assert "clip_ratio_high is verl's name of clip_high: give one of them (0.28 vs 0.3)" in msg
+    assert "the command line" in msg
+    msg = error(None, ["trainer.loss_type=dapo"], environ={})
+    assert "TRL's loss_type is trainer.loss_agg here" in msg
