@@ -172,3 +172,29 @@ def test_a_group_of_one_is_warned_about(tmp_path: Path) -> None:
             *EMULATED_FAST, "controller.group_size=1", timeout=120)  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
     assert "controller.group_size=1: a group of one sample has a group-relative advantage of 0" in p.stderr
+
+
+def test_ctrl_c_in_a_terminal_stops_the_run_without_restarting_redis(tmp_path: Path) -> None:
+    """Ctrl-C reaches the terminal's whole foreground process group.  The private redis-server was
+    in it, exited 0 at once, and the Supervisor logged an ERROR and restarted it while the run was
+    unwinding.  It now has a session of its own; the run stops it."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "ctrlc"
+    p = subprocess.Popen(
+        [sys.executable, "-m", "rolloutpipe", "run", "configs/demo.yaml", "--steps", "500", "--out", str(out),
+         "--no-progress", *EMULATED_FAST],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert p.poll() is None and time.monotonic() < deadline, "the run did not reach step 2"
+        time.sleep(0.2)
+    os.killpg(p.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err[-2000:]
+    assert "restarting it from its AOF" not in err and "ERROR" not in err, err[-2000:]
+    assert json.loads((out / "run.json").read_text())["status"] == "aborted"
