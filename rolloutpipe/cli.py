@@ -27,12 +27,23 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     run = sub.add_parser("run", help="run every role as a separate process (embedded Redis by default)")
-    run.add_argument("config")
-    run.add_argument("--mode", choices=MODES)
-    run.add_argument("--steps", type=int)
-    run.add_argument("--out")
-    run.add_argument("--redis-url", default="")
-    run.add_argument("--no-progress", action="store_true")
+    run.add_argument("config", help="a YAML file under configs/ (configs/digits.yaml is make demo's)")
+    run.add_argument("--mode", choices=MODES, help="a preset of controller.policy and trainer.schedule")
+    run.add_argument("--steps", type=int, help="controller.steps: rollout steps to train (at least 1)")
+    run.add_argument(
+        "--out", help="the run's folder (default: the config's out): metrics, checkpoints, logs, AOF"
+    )
+    run.add_argument(
+        "--redis-url",
+        default="",
+        help="use this Redis (or redis+cluster://), not a private redis-server",
+    )
+    run.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    run.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config (YAML) and exit; start nothing",
+    )
     again = run.add_mutually_exclusive_group()
     again.add_argument(
         "--resume",
@@ -71,10 +82,16 @@ def _parser() -> argparse.ArgumentParser:
 
     for role in ROLES:
         rp = sub.add_parser(role, help=f"run the {role} role alone")
-        rp.add_argument("config")
-        rp.add_argument("--redis-url", required=True)
-        rp.add_argument("--run", required=role != "rollout", default="", help="rollout: or --pool")
-        rp.add_argument("--out", help="trainer: where weights and metrics.jsonl go")
+        rp.add_argument("config", help="the run's YAML config (rolloutpipe run writes it to OUT/config.yaml)")
+        rp.add_argument("--redis-url", required=True, help="the run's Redis (every role of a run uses one)")
+        rp.add_argument(
+            "--run", required=role != "rollout", default="",
+            help="the run's name: its keys are rp:{RUN}:…" + (" (or --pool)" if role == "rollout" else ""),
+        )  # fmt: skip
+        out_help = {
+            "trainer": "where weights, checkpoints and metrics.jsonl go (default: the config's out)",
+        }.get(role, "not used by this role (accepted so that every role takes one command line)")
+        rp.add_argument("--out", help=out_help)
         if role == "rollout":
             rp.add_argument("--worker-id", default="", help="stable consumer name (default host-pid)")
             rp.add_argument(
@@ -284,6 +301,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.out:
         extra.append(f"out={args.out}")
     cfg = _cfg(args, extra)
+    if args.print_config:
+        import yaml
+
+        data = cfg.model_dump(mode="json")
+        data["controller"]["mode"] = None  # the preset is already expanded into policy and schedule
+        print(yaml.safe_dump(data, sort_keys=False), end="")
+        return 0
     setup_logging(cfg.log_level, "run")
     out = Path(cfg.out)
     if args.max_restarts < 0:

@@ -198,3 +198,32 @@ def test_ctrl_c_in_a_terminal_stops_the_run_without_restarting_redis(tmp_path: P
     assert p.returncode == 130, err[-2000:]
     assert "restarting it from its AOF" not in err and "ERROR" not in err, err[-2000:]
     assert json.loads((out / "run.json").read_text())["status"] == "aborted"
+
+
+def test_print_config_shows_the_resolved_config_and_starts_nothing(tmp_path: Path) -> None:
+    import yaml
+
+    out = tmp_path / "never"
+    p = _rp("run", "configs/demo.yaml", "--print-config", "--steps", "7", "--out", str(out),
+            "trainer.clip_ratio_high=0.28", timeout=60)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    cfg = yaml.safe_load(p.stdout)
+    assert cfg["controller"]["steps"] == 7 and cfg["trainer"]["clip_high"] == 0.28 and cfg["out"] == str(out)
+    assert not out.exists()
+
+
+def test_each_subcommands_help_describes_its_own_options() -> None:
+    """``controller --help`` described ``--out`` as the trainer's, and ``run``'s options had none."""
+    import argparse
+
+    from rolloutpipe.cli import _parser
+
+    subs = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    bare = [a.dest for a in subs["run"]._actions if not a.help and a.dest != "overrides"]
+    assert bare == [], f"run options without help: {bare}"
+    out_help = {role: next(a.help for a in subs[role]._actions if a.dest == "out") for role in ROLE_NAMES}
+    assert "metrics.jsonl" in str(out_help.pop("trainer"))
+    assert all("not used by this role" in str(h) for h in out_help.values()), out_help
+
+
+ROLE_NAMES = ("controller", "rollout", "aggregator", "trainer")
