@@ -332,6 +332,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     write_report(cfg, metrics, out)
     print(summary_table(metrics, every=max(1, len(metrics) // 12)))
+    errors, timeouts = (sum(getattr(m, f) for m in metrics) for f in ("verifier_errors", "verifier_timeouts"))
+    if errors or timeouts:
+        print(f"\nverifier: {errors} errors and {timeouts} timeouts over the run, each scored 0 "
+              f"(reasons in {out / 'logs'}/rollout-*.log)")  # fmt: skip
     print(f"\nmetrics: {out / 'metrics.jsonl'}   report: {out / 'report.json'}, {out / 'report.png'}")
     if metrics:
         from rolloutpipe.report import write_html_report

@@ -145,6 +145,9 @@ class TaskConfig(_Section):
     verifier_pool: Literal["auto", "inline", "process"] = "auto"
     verifier_processes: int = Field(default=2, ge=1)
     verifier_timeout_s: float = Field(default=10.0, gt=0.0)
+    # ``rolloutpipe run`` warns on every step where at least half the trained samples' verifier
+    # raised or timed out (scored 0), and stops the run where that share reaches this (None: never)
+    verifier_failure_stop: float | None = Field(default=None, gt=0.0, le=1.0)
     # Extra keyword arguments for a verl ``compute_score`` (verl's ``reward_kwargs``), or the fields of
     # the ``args`` namespace a slime reward function receives.
     reward_args: dict[str, Any] = Field(default_factory=dict)

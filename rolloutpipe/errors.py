@@ -38,6 +38,10 @@ class RequestFailedError(RolloutPipeError):
     step can never complete; ``rolloutpipe run`` stops with the reason instead of waiting."""
 
 
+class VerifierFailedError(RolloutPipeError):
+    """Most of a step's samples could not be scored (``task.verifier_failure_stop``)."""
+
+
 class RoleError(RolloutPipeError):
     """A role process that ``rolloutpipe run`` started exited before the run ended."""
 

@@ -21,7 +21,7 @@ from rolloutpipe.broker.embedded import EmbeddedRedis, Supervisor, find_redis_se
 from rolloutpipe.broker.events import DeadLetter, PolicyVersion, StepMetrics
 from rolloutpipe.broker.streams import Keys, connect_sync
 from rolloutpipe.config import Config, TrainerConfig
-from rolloutpipe.errors import CodecError, RequestFailedError, RoleError
+from rolloutpipe.errors import CodecError, RequestFailedError, RoleError, VerifierFailedError
 
 log = logging.getLogger("rolloutpipe.run")
 
@@ -206,6 +206,26 @@ def _write_run_file(out: Path, cfg: Config, status: str, **extra: Any) -> None:
     tmp.replace(out / RUN_FILE)
 
 
+VERIFIER_WARN_SHARE = 0.5  # the share of a step's samples whose scoring failed that is warned about
+
+
+def _check_verifier(m: StepMetrics, cfg: Config, out: Path) -> int:
+    """Warn (or stop: ``task.verifier_failure_stop``) when a step's verifier mostly failed; returns
+    the step's failed scorings.  A failed scoring is a reward of 0, so such a step trains on noise."""
+    failed = m.verifier_errors + m.verifier_timeouts
+    share = failed / max(1, m.samples)
+    if share >= VERIFIER_WARN_SHARE:
+        what = (
+            f"step {m.step}: the verifier failed on {failed} of {m.samples} samples ({m.verifier_errors} "
+            f"errors, {m.verifier_timeouts} timeouts), each scored 0; see {out / 'logs'}/rollout-*.log"
+        )
+        stop = cfg.task.verifier_failure_stop
+        if stop is not None and share >= stop:
+            raise VerifierFailedError(f"{what}; stopping (task.verifier_failure_stop={stop})")
+        log.warning("%s (task.verifier_failure_stop stops the run)", what)
+    return failed
+
+
 def _check_failed_requests(r: Any, keys: Keys, cfg: Config) -> None:
     """Raise :class:`RequestFailedError` once a request has been dead-lettered after failing every
     attempt: its group can never be complete, so the step would wait forever."""
@@ -278,6 +298,7 @@ def run_cluster(
     deadline = time.monotonic() + timeout_s
     seen: set[int] = set()
     held: dict[str, str] = {}
+    vfail = 0  # failed scorings so far
     since_progress: dict[str, int] = {}  # deaths of each role since the version last moved
     last_v = start_v
     finished = False
@@ -316,6 +337,9 @@ def run_cluster(
                         continue  # the controller dead-letters bad control entries
                     if isinstance(ev, StepMetrics) and ev.step >= start_v and ev.step not in seen:
                         seen.add(ev.step)
+                        vfail += _check_verifier(ev, cfg, out)
+                        if vfail:
+                            held["verifier_failed"] = str(vfail)
                         if bar is not None:
                             if ev.eval_reward is not None:  # the latest held-out score stays shown
                                 held = {"held_out": f"{ev.eval_reward:.3f}"}
@@ -366,6 +390,8 @@ SUMMARY_FIELDS = (
     "samples",
     "fence_rejections",
     "dead_letters",
+    "verifier_errors",
+    "verifier_timeouts",
 )
 
 
@@ -411,6 +437,8 @@ def write_report(cfg: Config, metrics: list[StepMetrics], out: Path) -> Path:
         "samples": sum(m.samples for m in metrics),  # trained: the rollouts that counted
         "groups_skipped": sum(m.groups_skipped for m in metrics),
         "samples_wasted": sum(m.samples_wasted for m in metrics),
+        "verifier_errors": sum(m.verifier_errors for m in metrics),
+        "verifier_timeouts": sum(m.verifier_timeouts for m in metrics),
         # held-out reward (``eval:``): the step after which each version was scored, and its score
         "eval_reward": [[m.step, m.eval_reward] for m in metrics if m.eval_reward is not None],
     }

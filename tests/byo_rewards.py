@@ -44,3 +44,8 @@ def _warm_up() -> None:
 
 
 tower_when_seven.warm_up = _warm_up  # type: ignore[attr-defined]  # as math_verify's: before any call
+
+
+def broken(response: str, answer: str) -> float:
+    """A reward function with a bug: it raises on every call."""
+    raise KeyError("label")

@@ -205,3 +205,26 @@ def test_a_request_that_always_fails_is_dead_lettered_and_stops_the_run(
     assert "rolloutpipe dlq list --run demo --reason 'generation failed'" in r.stderr
     assert "Traceback" not in r.stderr.split("rolloutpipe: error:")[-1]
     assert json.loads((out / "run.json").read_text())["status"] == "aborted"
+
+
+def test_a_verifier_that_always_fails_is_loud_and_can_stop_the_run(tmp_path: Path) -> None:
+    """A reward function that raised trained on reward 0 and exited 0, with warnings only in
+    ``logs/rollout-0.log``.  Failed scorings are now counted per step (metrics.jsonl, the table,
+    report.json), warned about on the terminal, and ``task.verifier_failure_stop`` stops the run."""
+    out = tmp_path / "run"
+    r = _rp(out, "task.verifier=tests.byo_rewards:broken", steps=2, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (
+        f"step 0: the verifier failed on {B * G} of {B * G} samples ({B * G} errors, 0 timeouts)" in r.stderr
+    )
+    assert all(row["verifier_errors"] == B * G for row in _rows(out))
+    assert "| verifier_errors | verifier_timeouts |" in r.stdout
+    assert f"verifier: {2 * B * G} errors and 0 timeouts over the run" in r.stdout
+    assert json.loads((out / "report.json").read_text())["verifier_errors"] == 2 * B * G
+
+    stopped = _rp(
+        tmp_path / "stop", "task.verifier=tests.byo_rewards:broken", "task.verifier_failure_stop=0.9"
+    )
+    assert stopped.returncode == 2, stopped.stderr[-3000:]
+    assert "each scored 0" in stopped.stderr and "stopping (task.verifier_failure_stop=0.9)" in stopped.stderr
+    assert json.loads((tmp_path / "stop" / "run.json").read_text())["status"] == "aborted"

@@ -317,6 +317,9 @@ class StepMetrics(Event):
     # trained (a skipped group's, a closed group's beyond its count: aborted or discarded)
     groups_skipped: int = 0
     samples_wasted: int = 0
+    # responses whose verifier raised or timed out, scored 0 (a reclaimed request may count twice)
+    verifier_errors: int = 0
+    verifier_timeouts: int = 0
     minibatches: list[list[str]] = Field(default_factory=list)
     step_start: float = 0.0
     train_end: float = 0.0

@@ -305,6 +305,8 @@ class Trainer:
             fence_rejections=await self.b.stat("fence_rejections", step),
             dead_letters=await self.b.stat("dead_letters", step),
             groups_skipped=await self.b.stat("groups_skipped", step),
+            verifier_errors=await self.b.stat("verifier_errors", step),
+            verifier_timeouts=await self.b.stat("verifier_timeouts", step),
             samples_wasted=max(0, await self.b.released_count(step) - clock.samples),
             train_busy_s=clock.busy,
             rollout_makespan_s=clock.rollout_end - clock.step_start,

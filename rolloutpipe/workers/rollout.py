@@ -223,7 +223,8 @@ class RolloutWorker:
             if score.outcome != "ok":
                 # scored 0 and counted; the response is trained on as a wrong one (never retried)
                 log.warning("verifier %s on request %s: %s", score.outcome, req.request_id, score.detail)
-                await self.b.incr("verifier_timeouts" if score.outcome == "timeout" else "verifier_errors")
+                which = "verifier_timeouts" if score.outcome == "timeout" else "verifier_errors"
+                await self.b.incr(which, step=req.step)  # the run's total and the step's
             reward = score.reward
             sample = Sample(
                 run=req.run,
