@@ -75,20 +75,63 @@ def _plt() -> Any:
     return plt
 
 
-def plot_steps(metrics: list[dict[str, Any]], out: Path) -> Path:
+Panel = tuple[str, dict[str, list[tuple[int, float]]]]  # a title, and its lines: label -> (step, value)
+
+# the trainer's optimizer-step stats (StepMetrics.train), one panel each
+TRAIN_PANELS = (
+    ("loss", ("loss",)),
+    ("grad norm (before clipping)", ("grad_norm",)),
+    ("clip fraction", ("clipfrac", "clipfrac_lower")),
+    ("entropy", ("entropy",)),
+    ("KL to the reference", ("kl",)),
+)
+
+
+def step_panels(metrics: list[dict[str, Any]]) -> list[Panel]:
+    """What the per-step picture shows, one unit per panel: reward (train and held-out), the trainer's
+    wait ratio, rollout-to-train-end in seconds, the mean response length, then the loss stats the
+    trainer recorded (a panel whose stats no step has is left out)."""
+
+    def series(get: Any) -> list[tuple[int, float]]:
+        return [(m["step"], float(v)) for m in metrics if (v := get(m)) is not None]
+
+    panels: list[Panel] = [
+        ("mean reward", {"train": series(lambda m: m["reward_mean"]),
+                         "held-out": series(lambda m: m.get("eval_reward"))}),
+        ("trainer wait ratio", {"wait ratio": series(lambda m: m["trainer_wait_ratio"])}),
+        ("rollout-to-train-end (s)", {"seconds": series(lambda m: m["rollout_to_train_end_s"])}),
+        ("mean response length (tokens)",
+         {"tokens": series(lambda m: m.get("tokens", 0) / m["samples"] if m.get("samples") else None)}),
+    ]  # fmt: skip
+    for title, names in TRAIN_PANELS:
+        lines = {n: series(lambda m, n=n: (m.get("train") or {}).get(n)) for n in names}
+        if any(lines.values()):
+            panels.append((title, {n: pts for n, pts in lines.items() if pts}))
+    return panels
+
+
+def plot_steps(metrics: list[dict[str, Any]], out: Path, name: str = "report-steps.png") -> Path:
     plt = _plt()
-    xs = [m["step"] for m in metrics]
-    fig, ax = plt.subplots(1, 3, figsize=(13, 3.4))
-    ax[0].plot(xs, [m["reward_mean"] for m in metrics], marker=".", color="tab:blue")
-    ax[0].set(title="mean reward", xlabel="step", ylim=(0, 1.05))
-    ax[1].plot(xs, [m["trainer_wait_ratio"] for m in metrics], marker=".", color="tab:orange")
-    ax[1].set(title="trainer wait ratio", xlabel="step", ylim=(0, 1.0))
-    ax[2].plot(xs, [m["rollout_to_train_end_s"] for m in metrics], marker=".", color="tab:green")
-    ax[2].set(title="rollout-to-train-end (s)", xlabel="step", ylim=(0, None))
+    panels = step_panels(metrics)
+    cols = 4
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(14, 3.0 * rows), squeeze=False)
+    for ax, (title, lines) in zip(axes.flat, panels, strict=False):
+        for label, pts in lines.items():
+            if pts:
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="." if len(lines) == 1 else "o",
+                        markersize=3, label=label)  # fmt: skip
+        ax.set(title=title, xlabel="step")
+        if title in ("mean reward", "trainer wait ratio"):
+            ax.set_ylim(0, 1.05)
+        if sum(1 for pts in lines.values() if pts) > 1:
+            ax.legend(fontsize="small")
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
     mode = metrics[-1].get("mode", "")
     fig.suptitle(f"{len(metrics)} steps, mode {mode}", fontsize=10)
     fig.tight_layout()
-    path = out / "report-steps.png"
+    path = out / name
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path

@@ -443,30 +443,13 @@ def write_report(cfg: Config, metrics: list[StepMetrics], out: Path) -> Path:
         "eval_reward": [[m.step, m.eval_reward] for m in metrics if m.eval_reward is not None],
     }
     (out / "report.json").write_text(json.dumps(rep, indent=2))
-    try:
-        import matplotlib
+    if metrics:
+        try:  # the same per-step picture as ``rolloutpipe report``: one unit per panel
+            from rolloutpipe.report import plot_steps
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
-        xs = [m.step for m in metrics]
-        ax[0].plot(xs, [m.reward_mean for m in metrics], marker=".", label="train (this step's rollouts)")
-        scored = [(m.step, m.eval_reward) for m in metrics if m.eval_reward is not None]
-        if scored:
-            ax[0].plot([x for x, _ in scored], [y for _, y in scored], marker="o", color="tab:red",
-                       label="held-out (eval split)")  # fmt: skip
-            ax[0].legend(loc="lower right", fontsize="small")
-        ax[0].set(title="mean reward", xlabel="step", ylim=(0, 1.05))
-        ax[1].plot(xs, [m.rollout_to_train_end_s for m in metrics], label="rollout-to-train-end (s)")
-        ax[1].plot(xs, [m.trainer_wait_ratio for m in metrics], label="trainer wait ratio")
-        ax[1].set(title=f"timing ({cfg.mode})", xlabel="step")
-        ax[1].legend()
-        fig.tight_layout()
-        fig.savefig(out / "report.png", dpi=100)
-        plt.close(fig)
-    except ImportError:  # matplotlib is a dependency, but a picture is not worth a crash
-        log.warning("matplotlib missing; report.png not written")
+            plot_steps([m.model_dump(mode="json") for m in metrics], out, name="report.png")
+        except ImportError:  # matplotlib is a dependency, but a picture is not worth a crash
+            log.warning("matplotlib missing; report.png not written")
     return out / "report.json"
 
 

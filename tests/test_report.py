@@ -79,3 +79,24 @@ def test_report_cli(tmp_path: Path) -> None:
     p = subprocess.run([sys.executable, "-m", "rolloutpipe", "report", str(run)], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     assert p.returncode == 2 and "rolloutpipe: error:" in p.stderr and "metrics.jsonl" in p.stderr
+
+
+def test_the_step_picture_shows_the_training_stats_one_unit_per_panel() -> None:
+    """report.png put seconds and a ratio on one axis and left out loss, grad norm, clip fraction,
+    entropy, KL and response length, which metrics.jsonl holds."""
+    from rolloutpipe.report import step_panels
+
+    rows = [{"step": k, "reward_mean": 0.5, "trainer_wait_ratio": 0.2, "rollout_to_train_end_s": 3.0 + k,
+             "tokens": 40 * (k + 1), "samples": 8, "eval_reward": 0.4 if k == 1 else None,
+             "train": {"loss": 0.1 * k, "grad_norm": 2.0, "clipfrac": 0.01, "entropy": 0.9, "kl": 0.001}}
+            for k in range(3)]  # fmt: skip
+    panels = dict(step_panels(rows))
+    assert list(panels) == ["mean reward", "trainer wait ratio", "rollout-to-train-end (s)",
+                            "mean response length (tokens)", "loss", "grad norm (before clipping)",
+                            "clip fraction", "entropy", "KL to the reference"]  # fmt: skip
+    assert panels["mean reward"]["held-out"] == [(1, 0.4)]
+    assert panels["mean response length (tokens)"]["tokens"] == [(0, 5.0), (1, 10.0), (2, 15.0)]
+    assert panels["loss"]["loss"][2] == (2, 0.2)
+    assert all(len(lines) == 1 for title, lines in panels.items() if "(s)" in title or "ratio" in title)
+    no_kl = dict(step_panels([{**r, "train": {"loss": 0.0}} for r in rows]))
+    assert "KL to the reference" not in no_kl and "loss" in no_kl
