@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,6 +16,23 @@ METRIC_FIELDS = {
     "step", "mode", "rollout_to_train_end_s", "trainer_wait_ratio", "first_group_s", "reward_mean",
     "groups", "samples", "fence_rejections", "dead_letters",
 }  # fmt: skip
+
+
+def _run_past_step_2(out: Path, **popen: Any) -> subprocess.Popen[str]:
+    """A long ``rolloutpipe run`` into ``out``, returned once two steps are in its metrics.jsonl."""
+    import time
+
+    p = subprocess.Popen(
+        [sys.executable, "-m", "rolloutpipe", "run", "configs/demo.yaml", "--steps", "500", "--out", str(out),
+         "--no-progress", *EMULATED_FAST],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen,
+    )  # fmt: skip
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert p.poll() is None and time.monotonic() < deadline, "the run did not reach step 2"
+        time.sleep(0.2)
+    return p
 
 
 def _rp(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -109,19 +127,9 @@ def test_sigterm_stops_everything_run_started(tmp_path: Path) -> None:
     import re
     import signal
     import socket
-    import time
 
     out = tmp_path / "term"
-    p = subprocess.Popen(
-        [sys.executable, "-m", "rolloutpipe", "run", "configs/demo.yaml", "--steps", "500", "--out", str(out),
-         "--no-progress", *EMULATED_FAST],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    metrics = out / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-        assert p.poll() is None and time.monotonic() < deadline, "the run did not reach step 2"
-        time.sleep(0.2)
+    p = _run_past_step_2(out)
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130, err[-2000:]
@@ -180,19 +188,9 @@ def test_ctrl_c_in_a_terminal_stops_the_run_without_restarting_redis(tmp_path: P
     unwinding.  It now has a session of its own; the run stops it."""
     import os
     import signal
-    import time
 
     out = tmp_path / "ctrlc"
-    p = subprocess.Popen(
-        [sys.executable, "-m", "rolloutpipe", "run", "configs/demo.yaml", "--steps", "500", "--out", str(out),
-         "--no-progress", *EMULATED_FAST],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
-    metrics = out / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-        assert p.poll() is None and time.monotonic() < deadline, "the run did not reach step 2"
-        time.sleep(0.2)
+    p = _run_past_step_2(out, start_new_session=True)
     os.killpg(p.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130, err[-2000:]

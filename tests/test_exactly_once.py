@@ -146,9 +146,13 @@ def assert_exactly_once(sr: redis.Redis, cfg: Config, metrics: list[StepMetrics]
         assert sorted(s.sample_id for s in g.samples) == sorted(f"{g.group_id}:{i}" for i in range(G))
         assert all(s.group_id == g.group_id and s.step == g.step for s in g.samples)
         assert (g.allocation.initial, g.allocation.status) == (G, "final"), g.allocation
-    # per step, frontier positions 0..B-1 each once (a re-emitted or lost group would break this)
-    for s in range(cc.steps):
-        assert sorted(g.frontier.position for g in groups if g.step == s) == list(range(B))
+    # per step, frontier positions 0..B-1 each once (a re-emitted or lost group would break this).
+    # Exact with one samples shard only: with several, each shard's aggregator numbers its own
+    # emissions and ``frontier.position`` is approximate (docs/architecture.md, "One step"); what holds
+    # there is the exactly-once of groups, asserted above for every shard count.
+    if cfg.redis.sample_shards == 1:
+        for s in range(cc.steps):
+            assert sorted(g.frontier.position for g in groups if g.step == s) == list(range(B))
 
     assert sr.xlen(keys.dlq) == 0, [DEFAULT_CODEC.decode(f[DATA]) for _e, f in sr.xrange(keys.dlq)]
     assert int(sr.hget(keys.stats, "dead_letters") or 0) == 0
