@@ -8,9 +8,10 @@ Inputs (both written by the trainer into the run directory):
   optional: without it the page says how to get the timeline).
 
 Outputs, next to them: ``report-steps.png`` (per step, one unit per panel: reward, trainer wait
-ratio, rollout-to-train-end, response length, the trainer's loss stats), ``report-timeline.png`` (the last few steps on one wall-clock axis: sequences in flight
-per rollout worker, group completions, trainer busy and idle) and ``report.html``, which embeds both
-pictures (data URIs: one self-contained file) and the per-step table.
+ratio, rollout-to-train-end, response length, the trainer's loss stats), ``report-timeline.png``
+(the last few steps on one wall-clock axis: sequences in flight per rollout worker, group
+completions, trainer busy and idle) and ``report.html``, which embeds both pictures (data URIs:
+one self-contained file) and the per-step table.
 """
 
 from __future__ import annotations
