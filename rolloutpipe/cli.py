@@ -234,21 +234,12 @@ def _preflight(cfg: Config, url: str) -> None:
             raise ConfigError(f"{ops.redis_failure(url, e)}; nothing was started") from e
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _reuse_out(cfg: Config, out: Path, args: argparse.Namespace) -> bool | None:
     """What to do with an ``--out`` that holds an earlier run: refuse (the default: nothing is
     touched), ``--overwrite`` it, or ``--resume`` it.  Returns whether the run resumes, or None
     for a finished run that ``--resume`` only shows again."""
     from rolloutpipe.runner import clear_out, previous_run, steps_done
+    from rolloutpipe.trainer.weights import pid_alive
 
     prev = previous_run(out)
     if prev is None:
@@ -258,7 +249,7 @@ def _reuse_out(cfg: Config, out: Path, args: argparse.Namespace) -> bool | None:
     what = (f"run '{prev.get('run', '?')}' ({status}, {len(done)} of {prev.get('steps', '?')} steps in "
             f"{out / 'metrics.jsonl'})")  # fmt: skip
     pid = prev.get("pid")
-    if status == "running" and isinstance(pid, int) and pid != os.getpid() and _pid_alive(pid):
+    if status == "running" and isinstance(pid, int) and pid != os.getpid() and pid_alive(pid):
         raise ConfigError(f"{out} is in use: the {what} is still running (rolloutpipe run, pid {pid})")
     if args.overwrite:
         clear_out(out)
@@ -302,11 +293,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         extra.append(f"out={args.out}")
     cfg = _cfg(args, extra)
     if args.print_config:
-        import yaml
-
-        data = cfg.model_dump(mode="json")
-        data["controller"]["mode"] = None  # the preset is already expanded into policy and schedule
-        print(yaml.safe_dump(data, sort_keys=False), end="")
+        print(cfg.to_yaml(), end="")
         return 0
     setup_logging(cfg.log_level, "run")
     out = Path(cfg.out)

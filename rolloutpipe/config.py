@@ -664,11 +664,14 @@ class Config(BaseSettings):
         the defaults.  ``Config()`` alone reads neither the environment nor a file."""
         return (init_settings, *_LOAD_SOURCES.get())
 
-    def dump_yaml(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    def to_yaml(self) -> str:
         data = self.model_dump(mode="json")
         data["controller"]["mode"] = None  # the preset is already expanded into policy and schedule
-        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        return yaml.safe_dump(data, sort_keys=False)
+
+    def dump_yaml(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_yaml())
 
 
 # --- loading: three pydantic-settings sources, highest first (Config.settings_customise_sources) ---

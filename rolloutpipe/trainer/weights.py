@@ -100,7 +100,8 @@ def prune_versions(root: Path, newest: int, keep: int) -> list[Path]:
     return doomed
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -128,7 +129,7 @@ def remove_orphans(root: Path) -> list[Path]:
             with _writing_lock:
                 if d in _writing:
                     continue
-        elif _alive(pid):
+        elif pid_alive(pid):
             continue
         shutil.rmtree(d, ignore_errors=True)
         log.info("removed %s, left by a weight writer (pid %d) that died before publishing it", d, pid)
