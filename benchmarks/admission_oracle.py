@@ -9,7 +9,7 @@ the next W mini-batches) could gain.
 Every schedule is compared with ONE baseline per workload: slime's synchronous step, i.e. the
 makespan with every request admitted at once (FIFO) followed by all the training.  (An earlier
 version measured each windowed schedule against its own, longer makespan, which flattered the
-window.)  The last column is the achievable cut from the true bound (``rolloutpipe/bound.py``).
+window.)  The last column is the achievable cut from the true bound (``rolloutpipe/bench/bound.py``).
 The trainer is the one in configs/bench/hardware.yaml: one pass a token at 34k tokens/s, 10 ms a
 group, 30 ms an optimizer step.
 Run: .venv/bin/python benchmarks/admission_oracle.py
@@ -56,7 +56,7 @@ def trainer_end(done_at, L, gpm):
 
 
 def bound(L, gpm, engines=2, slots=256, a=0.006, c=0.00008):
-    from rolloutpipe.bound import EngineModel, TrainerModel, r2t_bound
+    from rolloutpipe.bench.bound import EngineModel, TrainerModel, r2t_bound
 
     eng = EngineModel(engines, slots, a, c, 0.0)
     tr = TrainerModel(TRAINER["tps"], 1.0, TRAINER["call"], TRAINER["opt"], gpm)

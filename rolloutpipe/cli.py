@@ -118,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="timeline and per-step pictures plus one HTML page of a run")
     report.add_argument("dir", help="the run's --out directory (metrics.jsonl, timeline.jsonl)")
 
-    from rolloutpipe.ops import STREAMS, stream_name
+    from rolloutpipe.tools.ops import STREAMS, stream_name
 
     url_help = "default: $RP_REDIS_URL or redis://127.0.0.1:6379/0"
     tail = sub.add_parser("tail", help="print a run's stream entries as JSON lines (read-only)")
@@ -197,8 +197,8 @@ def check_task(cfg: Config) -> None:
     """Read the dataset (and its held-out split) once here, so that a bad file or field is one clear
     error before any role starts, not a role that dies; rows without an answer are reported here.
     The reward function is loaded and classified here too."""
-    from rolloutpipe.workers.reward import check_verifier
-    from rolloutpipe.workers.task import task_prompts
+    from rolloutpipe.tasks.datasets import task_prompts
+    from rolloutpipe.tasks.reward import check_verifier
 
     check_verifier(cfg.task)
     task_prompts(cfg.task, cfg.task.num_prompts, cfg.task.seed)
@@ -222,7 +222,7 @@ def _preflight(cfg: Config, url: str) -> None:
             "GRPO learns nothing from it (unless an allocation policy gives groups more samples)"
         )
     if url:
-        from rolloutpipe import ops
+        from rolloutpipe.tools import ops
 
         try:
             r = ops.connect(url)
@@ -238,8 +238,8 @@ def _reuse_out(cfg: Config, out: Path, args: argparse.Namespace) -> bool | None:
     """What to do with an ``--out`` that holds an earlier run: refuse (the default: nothing is
     touched), ``--overwrite`` it, or ``--resume`` it.  Returns whether the run resumes, or None
     for a finished run that ``--resume`` only shows again."""
-    from rolloutpipe.runner import clear_out, previous_run, steps_done
-    from rolloutpipe.trainer.weights import pid_alive
+    from rolloutpipe.launch.cluster import clear_out, previous_run, steps_done
+    from rolloutpipe.model.weights import pid_alive
 
     prev = previous_run(out)
     if prev is None:
@@ -282,7 +282,7 @@ def _reuse_out(cfg: Config, out: Path, args: argparse.Namespace) -> bool | None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from rolloutpipe.runner import run_embedded, steps_done, summary_table, write_report
+    from rolloutpipe.launch.cluster import run_embedded, steps_done, summary_table, write_report
 
     extra = []
     if args.mode:
@@ -306,7 +306,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         check_task(cfg)
         if cfg.rollout.engine == "transformers" or cfg.trainer.backend == "torch":
-            from rolloutpipe.policy import ensure_model
+            from rolloutpipe.model.lm import ensure_model
 
             log.info("model: %s", ensure_model(cfg.model))
         metrics = run_embedded(
@@ -325,7 +325,7 @@ def cmd_run(args: argparse.Namespace) -> int:
               f"(reasons in {out / 'logs'}/rollout-*.log)")  # fmt: skip
     print(f"\nmetrics: {out / 'metrics.jsonl'}   report: {out / 'report.json'}, {out / 'report.png'}")
     if metrics:
-        from rolloutpipe.report import write_html_report
+        from rolloutpipe.tools.report import write_html_report
 
         print(f"page: {write_html_report(out)['html']}  (rolloutpipe report {out} redraws it)")
     return 0
@@ -339,9 +339,9 @@ def _report(table: str, where: str) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from rolloutpipe.allocation_bench import is_allocation_suite, run_allocation
-    from rolloutpipe.bench import run_bench
-    from rolloutpipe.broker_bench import is_broker_suite, run_broker
+    from rolloutpipe.bench.allocation import is_allocation_suite, run_allocation
+    from rolloutpipe.bench.broker import is_broker_suite, run_broker
+    from rolloutpipe.bench.paper import run_bench
 
     setup_logging("WARNING", "bench")
     if args.suite and is_broker_suite(args.suite):
@@ -355,7 +355,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
         return _report(table, where)
     if args.suite == "multiplex":
-        from rolloutpipe.multiplex_bench import run_multiplex
+        from rolloutpipe.bench.multiplex import run_multiplex
 
         if args.config or args.scale is not None or args.steps is not None:
             raise ConfigError(
@@ -402,7 +402,7 @@ def cmd_pool(args: argparse.Namespace) -> int:
         extra.append(f"rollout.pool.policy={args.policy}")
     cfg = _cfg(args, extra)
     setup_logging(cfg.log_level, "pool")
-    from rolloutpipe.workers.pool import run_pool
+    from rolloutpipe.roles.pool import run_pool
 
     return run_async(lambda stop: run_pool(cfg, args.redis_url, stop))
 
@@ -424,22 +424,22 @@ def cmd_role(args: argparse.Namespace) -> int:
 
     async def main(stop: asyncio.Event) -> int:
         if args.cmd == "controller":
-            from rolloutpipe.workers.controller import run_controller
+            from rolloutpipe.roles.controller import run_controller
 
             return await run_controller(cfg, url, args.run, stop)
         if args.cmd == "rollout" and pool:
-            from rolloutpipe.workers.pool import run_pool_worker
+            from rolloutpipe.roles.pool import run_pool_worker
 
             return await run_pool_worker(cfg, url, stop, args.worker_id)
         if args.cmd == "rollout":
-            from rolloutpipe.workers.rollout import run_rollout
+            from rolloutpipe.roles.rollout import run_rollout
 
             return await run_rollout(cfg, url, args.run, stop, args.worker_id)
         if args.cmd == "aggregator":
-            from rolloutpipe.workers.aggregator import run_aggregator
+            from rolloutpipe.roles.aggregator import run_aggregator
 
             return await run_aggregator(cfg, url, args.run, stop, args.shard)
-        from rolloutpipe.trainer.trainer import run_trainer
+        from rolloutpipe.roles.trainer.trainer import run_trainer
 
         return await run_trainer(cfg, url, args.run, Path(args.out or cfg.out), stop)
 
@@ -447,7 +447,7 @@ def cmd_role(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from rolloutpipe.report import write_html_report
+    from rolloutpipe.tools.report import write_html_report
 
     written = write_html_report(Path(args.dir))
     for path in written.values():
@@ -456,8 +456,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_tail(args: argparse.Namespace) -> int:
-    from rolloutpipe import ops
     from rolloutpipe.broker.streams import Keys
+    from rolloutpipe.tools import ops
 
     url = ops.redis_url(args.redis_url)
     r = ops.connect(url)
@@ -502,7 +502,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     import json
     import time
 
-    from rolloutpipe import ops
+    from rolloutpipe.tools import ops
 
     url = ops.redis_url(args.redis_url)
     r = ops.connect(url)
@@ -544,7 +544,7 @@ def cmd_dlq(args: argparse.Namespace) -> int:
     """``dlq list|show|replay``: 0 done, 1 some dead letter refused to replay, 2 bad input or no Redis."""
     import json
 
-    from rolloutpipe import dlq, ops
+    from rolloutpipe.tools import dlq, ops
 
     url = ops.redis_url(args.redis_url)
     r = ops.connect(url)

@@ -118,18 +118,18 @@ class TaskConfig(_Section):
     """The verifiable task: where the prompts come from and how a response is scored.
 
     ``dataset`` is a format name (``verl``, ``slime``, ``hf``: files read with HF ``datasets``,
-    ``rolloutpipe/workers/data.py``) or a dotted path to ``f(num_prompts, seed, …) -> list[Prompt]``.
+    ``rolloutpipe/tasks/formats.py``) or a dotted path to ``f(num_prompts, seed, …) -> list[Prompt]``.
     ``verifier`` is a dotted path (``pkg.mod:fn``) or a file (``path/to/file.py:fn``) to one of three
-    kinds of function, told apart by their parameters (``rolloutpipe/workers/reward.py``): ours,
+    kinds of function, told apart by their parameters (``rolloutpipe/tasks/reward.py``): ours,
     ``f(response, answer) -> float``; verl's ``compute_score(data_source, solution_str, ground_truth,
     extra_info)``; slime's ``async def rm(args, sample)``.
     """
 
-    dataset: str = "rolloutpipe.workers.task:mod10_addition"
-    verifier: str = "rolloutpipe.workers.verifiers:first_char_match"
+    dataset: str = "rolloutpipe.tasks.datasets:mod10_addition"
+    verifier: str = "rolloutpipe.tasks.verifiers:first_char_match"
     path: str = ""  # the file (or HF ``save_to_disk`` folder) of datasets that read one
     eval_path: str = ""  # file datasets: the held-out file that ``eval.every`` scores (empty: none)
-    # Field names, for the file formats (``rolloutpipe/workers/data.py`` gives each format's defaults):
+    # Field names, for the file formats (``rolloutpipe/tasks/formats.py`` gives each format's defaults):
     # ``prompt_key``: a string or a list of chat messages; ``label_key``: the answer, dotted for a
     # nested field (verl: ``reward_model.ground_truth``); ``metadata_key``: a mapping handed to the
     # reward function (verl's ``extra_info``, slime's ``metadata``).  Empty: the format's default.
@@ -249,7 +249,7 @@ class VllmEngineConfig(_Section):
 
 
 class MigrationConfig(_Section):
-    """Long-tail migration (``workers/policies/migration.py``; docs/architecture.md, of that name)."""
+    """Long-tail migration (``scheduling/migration.py``; docs/architecture.md, of that name)."""
 
     # Off by default: it needs an engine that can preempt (emulated, transformers, vllm), and
     # each move costs the target a prefill of prompt + partial response.
@@ -264,11 +264,11 @@ class MigrationConfig(_Section):
 
 
 class PoolConfig(_Section):
-    """A rollout pool shared by several runs (``workers/pool.py``; docs/architecture.md)."""
+    """A rollout pool shared by several runs (``roles/pool.py``; docs/architecture.md)."""
 
     name: str = ""  # the pool's name; empty: no pool, a worker serves its ``--run`` alone
     runs: list[str] = Field(default_factory=list)  # runs the pool scheduler leases workers to
-    # greedy | lookahead (``workers/policies/pool.py``), or static: worker i serves runs[i mod n]
+    # greedy | lookahead (``scheduling/leases.py``), or static: worker i serves runs[i mod n]
     policy: Literal["greedy", "lookahead", "static"] = "lookahead"
     tick_s: float = Field(default=0.05, gt=0)  # how often the scheduler looks at the runs
     # On a lease change a worker hands its running requests back to their run (continuations,
@@ -339,7 +339,7 @@ class ControllerConfig(_Section):
     # config is loaded.  Leave it unset to choose the two separately.
     mode: Mode | None = None
     # The admission and allocation policy: a name (fifo, fgd) or a dotted path ``pkg.mod:Class``
-    # (rolloutpipe/workers/policies/).  ``policy_args`` go to its constructor.
+    # (rolloutpipe/scheduling/).  ``policy_args`` go to its constructor.
     policy: str = "fgd"
     policy_args: dict[str, Any] = Field(default_factory=dict)
     steps: int = 60
@@ -347,7 +347,7 @@ class ControllerConfig(_Section):
     group_size: int = 16
     minibatches: int = 2
     fgd_slack: int = 0  # extra requests admitted beyond free engine capacity in cgp-fgd
-    # FGD's frontier window (rolloutpipe/workers/policies/fgd.py): "auto" turns it on for a step when
+    # FGD's frontier window (rolloutpipe/scheduling/fgd.py): "auto" turns it on for a step when
     # the last window-free step was training-bound (training > makespan - first group), "on" always,
     # "off" never.  ``fgd_lookahead``: mini-batches that may be under way beyond those complete
     # while it is on; None derives it each step under "auto" (1 + ceil(makespan / training)), and is 1
@@ -508,7 +508,7 @@ class TrainerConfig(_Section):
     keep_checkpoints: int = 2  # trainer checkpoints (OUT/checkpoints/RUN) kept for resume (0 keeps all)
     # ``host:port`` (``0.0.0.0:8700``; port 0 picks a free one, logged) where the trainer serves its
     # published weights over HTTP to workers with ``rollout.weights_url``; empty: off.  Read-only:
-    # published version folders only (``rolloutpipe/trainer/weights_http.py``).
+    # published version folders only (``rolloutpipe/roles/trainer/weights_http.py``).
     weights_serve: str = ""
     # Experiment logging with slime/verl names (perf/*, rollout/*); each needs its package.
     log_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)

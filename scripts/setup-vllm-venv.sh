@@ -40,7 +40,7 @@ reqs="$VENV/rolloutpipe-deps.txt"
 "$VENV/bin/python" -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' >"$reqs"
 "${PIP[@]}" install -q -c "$pins" -r "$reqs" pytest pytest-asyncio pytest-timeout hypothesis
 "${PIP[@]}" install -q --no-deps -e .
-"$VENV/bin/python" -c "import vllm, rolloutpipe.workers.engines.vllm_engine" >/dev/null
+"$VENV/bin/python" -c "import vllm, rolloutpipe.engines.vllm_engine" >/dev/null
 
 echo "$KEY" >"$STAMP"
 echo "set up $VENV ($SPEC) in $(($(date +%s) - start)) s"

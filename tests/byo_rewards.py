@@ -32,13 +32,13 @@ TOWER = "\\boxed{9^{9^{9^{9^{9}}}}}"
 def tower_when_seven(response: str, answer: str) -> float:
     """``verifiers.math_verify``, but a response to a prompt whose answer is 7 is replaced by
     :data:`TOWER` (a tiny model cannot write one itself): those calls hang until the pool's timeout."""
-    from rolloutpipe.workers.verifiers import math_verify
+    from rolloutpipe.tasks.verifiers import math_verify
 
     return math_verify(TOWER if answer == "7" else response.strip()[:1], answer)
 
 
 def _warm_up() -> None:
-    from rolloutpipe.workers.verifiers import math_verify
+    from rolloutpipe.tasks.verifiers import math_verify
 
     math_verify.warm_up()  # type: ignore[attr-defined]
 

@@ -12,7 +12,7 @@ import redis
 from rolloutpipe.broker.codec import DEFAULT_CODEC, iter_events
 from rolloutpipe.broker.events import Group, PolicyVersion, StepMetrics
 from rolloutpipe.broker.streams import Keys
-from rolloutpipe.runner import Cluster
+from rolloutpipe.launch.cluster import Cluster
 
 
 def version(r: redis.Redis, run: str) -> int:

@@ -35,7 +35,7 @@ def _die() -> None:
 def main() -> None:
     mode, marker, module = sys.argv[1], sys.argv[2], sys.argv[3]
     from rolloutpipe.broker.streams import Broker
-    from rolloutpipe.workers.rollout import RolloutWorker
+    from rolloutpipe.roles.rollout import RolloutWorker
 
     migrate = Broker.migrate
     handle = RolloutWorker.handle

@@ -20,7 +20,7 @@ import redis.asyncio.client as aclient
 from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.events import Group, GroupPlan, PolicyVersion, Sample, StepPlan
 from rolloutpipe.broker.streams import DATA, Broker, Groups
-from rolloutpipe.workers.aggregator import Aggregator
+from rolloutpipe.roles.aggregator import Aggregator
 from tests.conftest import EMULATED_FAST, make_config
 
 STEP, GROUPS, G = 0, 8, 8

@@ -17,7 +17,7 @@ from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.events import DeadLetter, GroupPlan, PolicyVersion, Sample, StepPlan
 from rolloutpipe.broker.streams import DATA, Broker, Groups
 from rolloutpipe.broker.trim import drop_old_steps
-from rolloutpipe.workers.aggregator import Aggregator
+from rolloutpipe.roles.aggregator import Aggregator
 from tests.conftest import EMULATED_FAST, make_config
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rolloutpipe.allocation_bench import run_allocation
+from rolloutpipe.bench.allocation import run_allocation
 from rolloutpipe.broker.embedded import EmbeddedRedis
 
 pytestmark = pytest.mark.slow

@@ -20,7 +20,7 @@ import redis
 from rolloutpipe.broker.codec import DEFAULT_CODEC, iter_events
 from rolloutpipe.broker.events import Group, StepPlan
 from rolloutpipe.broker.streams import Keys
-from rolloutpipe.runner import run_cluster
+from rolloutpipe.launch.cluster import run_cluster
 from tests.conftest import EMULATED_FAST, make_config
 from tests.helpers import version
 
@@ -118,7 +118,7 @@ def test_mixed_sizes_train_the_tiny_model_as_one_batch_per_minibatch(
     larger of 1e-5 and the references' own spread over summation orders (~1e-5)."""
     import torch
 
-    from rolloutpipe.policy import ensure_model, load_model, response_logprobs
+    from rolloutpipe.model.lm import ensure_model, load_model, response_logprobs
     from tests.helpers import load_weights, max_abs_diff
 
     cfg = make_config(

@@ -1,6 +1,6 @@
 """VIGOR, Pilot-Commit and dynamic sampling decide from scripted rewards: no Redis, no asyncio.
 
-``Sim`` plays the controller's part as the seam defines it (``policies/base.py``): it completes
+``Sim`` plays the controller's part as the seam defines it (``scheduling/base.py``): it completes
 every outstanding sample of a group at once, with rewards from a script, reports the group to
 ``on_stats``, and applies the decisions to the view.  Groups complete in a shuffled order, so no
 test depends on which group reports first.
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from rolloutpipe.config import ControllerConfig
-from rolloutpipe.workers.policies import make_policy
-from rolloutpipe.workers.policies.base import (
+from rolloutpipe.scheduling import make_policy
+from rolloutpipe.scheduling.base import (
     AddGroup,
     Close,
     Decision,
@@ -28,7 +28,7 @@ from rolloutpipe.workers.policies.base import (
     StepInfo,
     StepView,
 )
-from rolloutpipe.workers.policies.vigor import reward_variance
+from rolloutpipe.scheduling.vigor import reward_variance
 
 Rewards = Callable[[int, int], float]  # (prompt index, sample index) -> reward
 

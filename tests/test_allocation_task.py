@@ -10,18 +10,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rolloutpipe.allocation_bench import Point, at_budget, curve, first_reach, summarise
+from rolloutpipe.bench.allocation import Point, at_budget, curve, first_reach, summarise
 from rolloutpipe.broker.events import StepMetrics
 from rolloutpipe.config import load_config
 from rolloutpipe.errors import ConfigError
-from rolloutpipe.workers.task import (
+from rolloutpipe.tasks.datasets import (
     digit_ops,
     digit_ops_answer,
     digit_ops_is_eval,
     load_dataset,
     mod10_addition,
 )
-from rolloutpipe.workers.verifiers import exact_match
+from rolloutpipe.tasks.verifiers import exact_match
 from tests.conftest import ROOT
 
 
@@ -49,10 +49,10 @@ def test_digit_ops_splits_are_disjoint_seeded_and_mixed() -> None:
 
 
 def test_eval_split_needs_a_dataset_that_has_one() -> None:
-    assert load_dataset("rolloutpipe.workers.task:digit_ops", 3, 0, split="eval")
+    assert load_dataset("rolloutpipe.tasks.datasets:digit_ops", 3, 0, split="eval")
     with pytest.raises(ConfigError, match="held-out split"):
-        load_dataset("rolloutpipe.workers.task:mod10_addition", 3, 0, split="eval")
-    assert mod10_addition(3, 0) == load_dataset("rolloutpipe.workers.task:mod10_addition", 3, 0)
+        load_dataset("rolloutpipe.tasks.datasets:mod10_addition", 3, 0, split="eval")
+    assert mod10_addition(3, 0) == load_dataset("rolloutpipe.tasks.datasets:mod10_addition", 3, 0)
 
 
 def _m(
@@ -117,8 +117,8 @@ def test_summary_ratios_are_paired_by_seed() -> None:
 def test_warm_start_makes_a_base_model_that_solves_some_held_out_prompts(tmp_path: object) -> None:
     """The base model RL starts from: warm-started, it scores well above the random model on the
     held-out split, and below perfect (there is something left to learn)."""
-    from rolloutpipe.evaluate import Evaluator
-    from rolloutpipe.policy import ensure_model, load_model
+    from rolloutpipe.model.lm import ensure_model, load_model
+    from rolloutpipe.roles.trainer.evaluate import Evaluator
 
     scores = {}
     for steps in (0, 100):
@@ -135,8 +135,8 @@ def test_warm_start_makes_a_base_model_that_solves_some_held_out_prompts(tmp_pat
 def test_evaluator_uses_fixed_draws_and_the_verifier() -> None:
     import torch
 
-    from rolloutpipe.evaluate import Evaluator
-    from rolloutpipe.policy import ensure_model, load_model
+    from rolloutpipe.model.lm import ensure_model, load_model
+    from rolloutpipe.roles.trainer.evaluate import Evaluator
 
     cfg = load_config(ROOT / "configs" / "allocation.yaml", ["eval.num_prompts=64"], environ={})
     ev = Evaluator(cfg)
@@ -152,7 +152,7 @@ def test_evaluator_uses_fixed_draws_and_the_verifier() -> None:
 
 
 def test_tail_shows_skipped_wasted_and_held_out_reward() -> None:
-    from rolloutpipe.ops import _details
+    from rolloutpipe.tools.ops import _details
 
     with_eval = " ".join(
         _details(_m(3, 96, 32, 0.55, 0.0, 1.0, 0.1).model_copy(update={"groups_skipped": 2}))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from rolloutpipe.bench import DEFAULT_CONFIG, run_setting
+from rolloutpipe.bench.paper import DEFAULT_CONFIG, run_setting
 from rolloutpipe.broker.embedded import EmbeddedRedis
 from tests.conftest import EMULATED_FAST
 

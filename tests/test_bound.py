@@ -1,4 +1,4 @@
-"""The r2t bound (``rolloutpipe/bound.py``) against an independent simulation of the same models.
+"""The r2t bound (``rolloutpipe/bench/bound.py``) against an independent simulation of the same models.
 
 The simulator below is written from the cost models' definitions, not from the bound: engines
 with continuous batching (a step of n sequences costs a + c*n, a prefill stalls the batch), any
@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from rolloutpipe.bound import EngineModel, TrainerModel, r2t_bound, wait_ratio_bound
+from rolloutpipe.bench.bound import EngineModel, TrainerModel, r2t_bound, wait_ratio_bound
 
 
 def simulate(groups, eng, tr, *, order, assign, cap, window, barrier):

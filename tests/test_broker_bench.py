@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from rolloutpipe.bench.broker import Row, bytes_breakdown, load_spec, row_overrides, run_broker
 from rolloutpipe.broker.embedded import EmbeddedRedis
 from rolloutpipe.broker.events import RolloutRequest
-from rolloutpipe.broker_bench import Row, bytes_breakdown, load_spec, row_overrides, run_broker
 from rolloutpipe.cli import main
 from rolloutpipe.config import EmulatedEngineConfig, load_config
+from rolloutpipe.engines.emulated import EmulatedEngine
 from rolloutpipe.errors import ConfigError
-from rolloutpipe.workers.engines.emulated import EmulatedEngine
 
 ROW_KEYS = ("workers", "payload_bytes", "offered_samples_per_s", "samples_per_s", "dispatch_p50_s",
             "dispatch_p99_s", "ratio_to_ceiling", "redis_cpu", "aggregator_cpu", "trainer_cpu",

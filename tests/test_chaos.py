@@ -24,7 +24,7 @@ import pytest
 import redis
 
 from rolloutpipe.broker.streams import Keys
-from rolloutpipe.runner import RoleProc
+from rolloutpipe.launch.cluster import RoleProc
 from tests.conftest import EMULATED_FAST, make_config
 from tests.helpers import audit_group_log, version
 from tests.test_exactly_once import Driver, groups_on_stream, start_cluster, stop_cluster

@@ -26,7 +26,6 @@ from redis.asyncio.connection import SSLConnection
 from redis.crc import key_slot
 from redis.exceptions import MovedError
 
-from rolloutpipe import ops
 from rolloutpipe.broker.streams import (
     Broker,
     Keys,
@@ -38,6 +37,7 @@ from rolloutpipe.broker.streams import (
 )
 from rolloutpipe.broker.trim import trim_run
 from rolloutpipe.errors import CrossSlotError
+from rolloutpipe.tools import ops
 from tests.conftest import EMULATED_FAST, make_config
 from tests.helpers import audit_group_log, version
 from tests.rediscluster import LocalCluster, Node

@@ -16,7 +16,7 @@ import numpy as np
 
 from rolloutpipe.broker.events import GroupStats
 from rolloutpipe.broker.streams import Broker, Groups
-from rolloutpipe.workers.controller import Controller
+from rolloutpipe.roles.controller import Controller
 from tests.conftest import EMULATED_FAST, make_config
 
 

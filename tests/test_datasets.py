@@ -1,4 +1,4 @@
-"""Datasets in the formats users have (``rolloutpipe/workers/data.py``): verl's parquet, slime's JSON
+"""Datasets in the formats users have (``rolloutpipe/tasks/formats.py``): verl's parquet, slime's JSON
 lines, any local file HF ``datasets`` reads.  The fixtures are written here, in each format, by the
 libraries that write them (pyarrow, ``datasets``); nothing is downloaded.
 
@@ -19,9 +19,9 @@ import pytest
 
 from rolloutpipe.config import TaskConfig
 from rolloutpipe.errors import ConfigError
-from rolloutpipe.policy import HFTextCodec
-from rolloutpipe.workers.data import FORMATS
-from rolloutpipe.workers.task import Prompt, load_dataset, task_prompts
+from rolloutpipe.model.lm import HFTextCodec
+from rolloutpipe.tasks.datasets import Prompt, load_dataset, task_prompts
+from rolloutpipe.tasks.formats import FORMATS
 
 
 def verl_row(i: int, a: int, b: int, answer: str | None = "auto") -> dict[str, Any]:
@@ -194,7 +194,7 @@ def test_a_parquet_file_that_is_not_parquet_is_a_clear_error(tmp_path: Path) -> 
         (TaskConfig(dataset="verl", path="/nonexistent/x.parquet"),
          r"/nonexistent/x\.parquet does not exist"),
         (TaskConfig(dataset="hf", path="data.xlsx"), r"does not exist"),
-        (TaskConfig(dataset="rolloutpipe.workers.task:mod10_addition", prompt_key="q"),
+        (TaskConfig(dataset="rolloutpipe.tasks.datasets:mod10_addition", prompt_key="q"),
          r"does not read task\.prompt_key"),
     ],
 )  # fmt: skip

@@ -21,7 +21,7 @@ import pytest
 
 from rolloutpipe.broker.codec import iter_events
 from rolloutpipe.broker.events import Group
-from rolloutpipe.policy import CharCodec
+from rolloutpipe.model.lm import CharCodec
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import redis
 
-from rolloutpipe import dlq
 from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.events import GroupPlan, PolicyVersion, RolloutRequest, Sample, StepPlan
 from rolloutpipe.broker.streams import DATA, Broker, Entry, Keys
-from rolloutpipe.workers.aggregator import Aggregator
+from rolloutpipe.roles.aggregator import Aggregator
+from rolloutpipe.tools import dlq
 from tests.conftest import EMULATED_FAST, ROOT, make_config
 
 GARBAGE = b"\xc1\xc1 not msgpack \x00\xff"

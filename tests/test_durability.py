@@ -15,7 +15,7 @@ import redis
 from rolloutpipe.broker.embedded import EmbeddedRedis, Supervisor
 from rolloutpipe.broker.events import StepMetrics
 from rolloutpipe.broker.streams import Keys, connect, retries_for
-from rolloutpipe.runner import run_cluster
+from rolloutpipe.launch.cluster import run_cluster
 from tests.conftest import EMULATED_FAST, make_config
 from tests.helpers import step_metrics, version
 

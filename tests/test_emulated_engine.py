@@ -9,7 +9,7 @@ import pytest
 
 from rolloutpipe.broker.events import RolloutRequest
 from rolloutpipe.config import EmulatedEngineConfig
-from rolloutpipe.workers.engines.emulated import EmulatedEngine
+from rolloutpipe.engines.emulated import EmulatedEngine
 
 
 def req(i: int, priority: int) -> RolloutRequest:

@@ -31,7 +31,7 @@ from rolloutpipe.broker.events import (
 )
 from rolloutpipe.broker.streams import DATA, Keys
 from rolloutpipe.config import Config
-from rolloutpipe.runner import Cluster, RoleProc, tail
+from rolloutpipe.launch.cluster import Cluster, RoleProc, tail
 from tests.conftest import EMULATED_FAST, make_config
 
 # Slower emulated decoding than EMULATED_FAST so one step lasts ~1-2 s: long enough to kill a

@@ -14,8 +14,8 @@ from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.events import AllocationRecord, DeadLetter, FrontierStatus, Group, Sample, StepMetrics
 from rolloutpipe.broker.streams import DATA, Keys
 from rolloutpipe.errors import StaleVersionError
-from rolloutpipe.runner import run_cluster
-from rolloutpipe.trainer.fence import VersionFence
+from rolloutpipe.launch.cluster import run_cluster
+from rolloutpipe.roles.trainer.fence import VersionFence
 from tests.conftest import EMULATED_FAST, make_config
 from tests.helpers import version
 

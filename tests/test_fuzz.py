@@ -62,12 +62,12 @@ from rolloutpipe.broker.events import (
 )
 from rolloutpipe.broker.streams import DATA, Broker, Entry, connect
 from rolloutpipe.config import Config
+from rolloutpipe.engines.base import Generation
 from rolloutpipe.errors import CodecError
-from rolloutpipe.trainer.trainer import Trainer
-from rolloutpipe.workers.aggregator import Aggregator, Partial
-from rolloutpipe.workers.controller import Controller
-from rolloutpipe.workers.engines.base import Generation
-from rolloutpipe.workers.rollout import RolloutWorker
+from rolloutpipe.roles.aggregator import Aggregator, Partial
+from rolloutpipe.roles.controller import Controller
+from rolloutpipe.roles.rollout import RolloutWorker
+from rolloutpipe.roles.trainer.trainer import Trainer
 from tests.conftest import EMULATED_FAST, make_config
 
 pytestmark = [

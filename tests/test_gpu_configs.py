@@ -9,9 +9,9 @@ import pytest
 
 from rolloutpipe.config import load_config
 from rolloutpipe.errors import ConfigError
-from rolloutpipe.runner import Cluster, trainer_launcher
-from rolloutpipe.workers.task import jsonl, load_dataset
-from rolloutpipe.workers.verifiers import last_number_match
+from rolloutpipe.launch.cluster import Cluster, trainer_launcher
+from rolloutpipe.tasks.datasets import jsonl, load_dataset
+from rolloutpipe.tasks.verifiers import last_number_match
 
 from .conftest import ROOT
 
@@ -70,7 +70,7 @@ def test_jsonl_dataset(tmp_path: Path) -> None:
         + json.dumps({"prompt": "3+3?", "answer": 6})
         + "\n"
     )
-    rows = load_dataset("rolloutpipe.workers.task:jsonl", 5, 0, str(f))
+    rows = load_dataset("rolloutpipe.tasks.datasets:jsonl", 5, 0, str(f))
     assert len(rows) == 5
     assert {(r.text, r.answer) for r in rows} == {("2+2?", "4"), ("3+3?", "6")}
     with pytest.raises(ConfigError, match=r"task\.path"):

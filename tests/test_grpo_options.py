@@ -16,8 +16,7 @@ import torch
 
 from rolloutpipe.config import Config
 from rolloutpipe.errors import ConfigError
-from rolloutpipe.trainer import backends
-from rolloutpipe.trainer.grpo import (
+from rolloutpipe.rl.grpo import (
     aggregate_sum,
     group_advantages,
     group_loss,
@@ -27,6 +26,7 @@ from rolloutpipe.trainer.grpo import (
     tis_weight,
     token_entropy,
 )
+from rolloutpipe.roles.trainer import backends
 from tests.conftest import make_config
 
 
@@ -410,7 +410,7 @@ def test_a_run_uses_the_configured_advantages_and_logs_the_loss_terms(
 
     from rolloutpipe.broker.codec import iter_events
     from rolloutpipe.broker.events import Group
-    from rolloutpipe.runner import run_cluster
+    from rolloutpipe.launch.cluster import run_cluster
 
     cfg = make_config(
         tmp_path, "opts-e2e", f"model.cache_dir={model_cache}", "controller.mode=cgp", "controller.steps=2",
@@ -439,8 +439,8 @@ def test_a_run_uses_the_configured_advantages_and_logs_the_loss_terms(
 
 
 def test_the_reference_model_is_the_initial_weights_or_ref_path(tmp_path: Path, model_cache: str) -> None:
-    from rolloutpipe.policy import ensure_model, load_model
-    from rolloutpipe.trainer.backends import TorchBackend
+    from rolloutpipe.model.lm import ensure_model, load_model
+    from rolloutpipe.roles.trainer.backends import TorchBackend
 
     base = make_config(tmp_path, "ref", f"model.cache_dir={model_cache}")
     assert TorchBackend(base).ref is None  # kl_coef 0: nothing loaded

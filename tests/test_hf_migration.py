@@ -20,8 +20,8 @@ import pytest
 
 from rolloutpipe.broker.events import RolloutRequest
 from rolloutpipe.config import Config
-from rolloutpipe.workers.engines.base import Generation, Preemptible
-from rolloutpipe.workers.engines.hf import TransformersEngine
+from rolloutpipe.engines.base import Generation, Preemptible
+from rolloutpipe.engines.hf import TransformersEngine
 from tests.conftest import make_config
 
 MAX_NEW = 40

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rolloutpipe.runner import run_cluster
+from rolloutpipe.launch.cluster import run_cluster
 from tests.conftest import make_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -50,8 +50,8 @@ def test_digits_demo_held_out_reward_rises_within_30_steps(
     difference of two scores on 1,024 samples (each ~0.015).  A trainer that does not learn stays
     at the base score, within noise, and fails.
     """
-    from rolloutpipe.evaluate import Evaluator
-    from rolloutpipe.policy import ensure_model, load_model
+    from rolloutpipe.model.lm import ensure_model, load_model
+    from rolloutpipe.roles.trainer.evaluate import Evaluator
 
     cfg = make_config(tmp_path, run_name, f"controller.steps={DIGITS_STEPS}", f"eval.every={DIGITS_STEPS}",
                       f"model.cache_dir={model_cache}", "rollout.seed=0", "trainer.seed=0", "task.seed=0",

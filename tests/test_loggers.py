@@ -11,7 +11,7 @@ import pytest
 
 from rolloutpipe.broker.events import StepMetrics
 from rolloutpipe.errors import ConfigError
-from rolloutpipe.trainer.loggers import StepLogger
+from rolloutpipe.roles.trainer.loggers import StepLogger
 
 from .conftest import make_config
 

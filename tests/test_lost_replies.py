@@ -385,10 +385,10 @@ async def test_a_run_through_lost_replies_trains_every_group_once(
     off), a read whose reply was lost leaving its entries unseen for good (a step that stalls), and
     anything the retries cannot get through (a role that dies)."""
     from rolloutpipe.broker import acl
-    from rolloutpipe.trainer.trainer import run_trainer
-    from rolloutpipe.workers.aggregator import run_aggregator
-    from rolloutpipe.workers.controller import run_controller
-    from rolloutpipe.workers.rollout import run_rollout
+    from rolloutpipe.roles.aggregator import run_aggregator
+    from rolloutpipe.roles.controller import run_controller
+    from rolloutpipe.roles.rollout import run_rollout
+    from rolloutpipe.roles.trainer.trainer import run_trainer
     from tests.conftest import EMULATED_FAST, make_config
 
     er, pw = acl_server

@@ -10,7 +10,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from rolloutpipe.runner import run_cluster
+from rolloutpipe.launch.cluster import run_cluster
 
 from .conftest import EMULATED_FAST, make_config
 

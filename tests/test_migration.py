@@ -21,9 +21,9 @@ from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.events import RolloutRequest, Sample
 from rolloutpipe.broker.streams import DATA, Broker, Groups, Keys
 from rolloutpipe.config import Config, EmulatedEngineConfig, MigrationConfig
-from rolloutpipe.runner import Cluster
-from rolloutpipe.workers.engines.emulated import EmulatedEngine
-from rolloutpipe.workers.policies.migration import Load, Running, choose
+from rolloutpipe.engines.emulated import EmulatedEngine
+from rolloutpipe.launch.cluster import Cluster
+from rolloutpipe.scheduling.migration import Load, Running, choose
 from tests.conftest import EMULATED_FAST, make_config
 from tests.test_exactly_once import Driver, assert_exactly_once, pending_count, start_cluster, stop_cluster
 

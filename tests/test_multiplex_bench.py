@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rolloutpipe.multiplex_bench import run_multiplex
+from rolloutpipe.bench.multiplex import run_multiplex
 
 pytestmark = pytest.mark.slow
 

@@ -24,11 +24,11 @@ import numpy as np
 import pytest
 import redis
 
-from rolloutpipe import ops
 from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.events import DeadLetter, GroupPlan, PolicyVersion, Sample, StepPlan
 from rolloutpipe.broker.streams import DATA, Keys
-from rolloutpipe.runner import Cluster, tail
+from rolloutpipe.launch.cluster import Cluster, tail
+from rolloutpipe.tools import ops
 from tests.conftest import EMULATED_FAST, ROOT, make_config
 
 GARBAGE = b"\xc1\xc1 not msgpack at all"

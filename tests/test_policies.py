@@ -15,10 +15,10 @@ import pytest
 
 from rolloutpipe.config import ControllerConfig
 from rolloutpipe.errors import ConfigError
-from rolloutpipe.workers.policies import make_policy
-from rolloutpipe.workers.policies.base import GroupView, PrevStep, PromptRecord, Release, StepInfo, StepView
-from rolloutpipe.workers.policies.fgd import FrontierPolicy
-from rolloutpipe.workers.policies.fifo import FifoPolicy
+from rolloutpipe.scheduling import make_policy
+from rolloutpipe.scheduling.base import GroupView, PrevStep, PromptRecord, Release, StepInfo, StepView
+from rolloutpipe.scheduling.fgd import FrontierPolicy
+from rolloutpipe.scheduling.fifo import FifoPolicy
 
 
 def info(step: int = 1, prev: PrevStep | None = None, b: int = 8, g: int = 4, mb: int = 4) -> StepInfo:
@@ -221,9 +221,7 @@ def test_make_policy_by_name_by_path_and_bad_names() -> None:
     assert isinstance(make_policy(cfg(policy="fgd", policy_args={"lookahead": 2})), FrontierPolicy)
     with pytest.raises(ConfigError, match="auto, on or off"):
         make_policy(cfg(policy="fgd", policy_args={"window": "sometimes"}))
-    assert isinstance(
-        make_policy(cfg(policy="rolloutpipe.workers.policies.fgd:FrontierPolicy")), FrontierPolicy
-    )
+    assert isinstance(make_policy(cfg(policy="rolloutpipe.scheduling.fgd:FrontierPolicy")), FrontierPolicy)
     with pytest.raises(ConfigError, match="not one of"):
         make_policy(cfg(policy="no.such:Policy"))
     with pytest.raises(ConfigError, match="unknown policy_args"):
@@ -236,7 +234,7 @@ def test_a_policy_that_leaves_a_complete_group_open_is_an_error_not_a_hang() -> 
     from types import SimpleNamespace
 
     from rolloutpipe.errors import PolicyError
-    from rolloutpipe.workers.controller import Controller
+    from rolloutpipe.roles.controller import Controller
 
     p = FifoPolicy(cfg())
     view = view_for(p, info())
@@ -264,7 +262,7 @@ def test_fgd_window_does_not_count_skipped_groups_as_under_way() -> None:
 
 
 def test_fifo_late_releases_like_fifo_but_without_engine_queues() -> None:
-    from rolloutpipe.workers.policies.fifo import LateFifoPolicy
+    from rolloutpipe.scheduling.fifo import LateFifoPolicy
 
     late, fifo = make_policy(cfg(policy="fifo-late")), FifoPolicy(cfg())
     assert isinstance(late, LateFifoPolicy)

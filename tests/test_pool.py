@@ -15,8 +15,8 @@ from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.events import Group, Lease, StepPlan
 from rolloutpipe.broker.streams import DATA, Keys, pool_keys
 from rolloutpipe.config import Config
-from rolloutpipe.multiplex import run_pool
-from rolloutpipe.workers.policies.pool import RunView, WorkerView, assign, greedy, lookahead, shares
+from rolloutpipe.launch.pool import run_pool
+from rolloutpipe.scheduling.leases import RunView, WorkerView, assign, greedy, lookahead, shares
 from tests.conftest import EMULATED_FAST, make_config
 from tests.helpers import version
 from tests.test_exactly_once import assert_exactly_once, groups_on_stream
@@ -150,7 +150,7 @@ def test_a_group_of_another_run_is_dead_lettered_not_trained(
 ) -> None:
     """Fence isolation at the trainer's door: run B's trainer, handed a group of run A on its own
     ``groups`` stream, dead-letters it (``event of run ...``) and trains nothing of it."""
-    from rolloutpipe.runner import Cluster
+    from rolloutpipe.launch.cluster import Cluster
     from tests.test_exactly_once import Driver, stop_cluster
     from tests.test_wire_doc import _group
 
@@ -190,8 +190,8 @@ def test_status_shows_each_runs_share_and_tail_shows_leases_and_migrations(
 
     import numpy as np
 
-    from rolloutpipe import ops
     from rolloutpipe.broker.events import RolloutRequest
+    from rolloutpipe.tools import ops
 
     pool, a, b = f"{run_name}p", f"{run_name}a", f"{run_name}b"
     pk = pool_keys(pool)
@@ -231,7 +231,7 @@ def test_status_shows_each_runs_share_and_tail_shows_leases_and_migrations(
 
 
 def test_the_static_split_never_moves_a_worker_whatever_order_they_join_in() -> None:
-    from rolloutpipe.workers.pool import static_leases
+    from rolloutpipe.roles.pool import static_leases
 
     w = [WorkerView(f"w{i}", "", 8) for i in range(4)]
     first = static_leases(["a", "b"], [w[3]])  # the last worker happens to start first

@@ -36,10 +36,10 @@ from rolloutpipe.broker.events import (
 )
 from rolloutpipe.broker.streams import DATA, Broker, Keys
 from rolloutpipe.config import Config
-from rolloutpipe.trainer import checkpoint
-from rolloutpipe.trainer.backends import EmulatedBackend
-from rolloutpipe.trainer.trainer import Trainer
-from rolloutpipe.workers.controller import Controller
+from rolloutpipe.roles.controller import Controller
+from rolloutpipe.roles.trainer import checkpoint
+from rolloutpipe.roles.trainer.backends import EmulatedBackend
+from rolloutpipe.roles.trainer.trainer import Trainer
 from tests.conftest import EMULATED_FAST, make_config
 from tests.helpers import load_weights, max_abs_diff, version
 from tests.test_exactly_once import Driver, start_cluster, stop_cluster
@@ -96,7 +96,7 @@ def test_torch_resume_equals_uninterrupted_run(tmp_path: Path, run_name: str, mo
     checkpoint of the wrong moment; and any pickle in the checkpoint."""
     import torch
 
-    from rolloutpipe.trainer.backends import TorchBackend
+    from rolloutpipe.roles.trainer.backends import TorchBackend
 
     cfg = make_config(tmp_path, run_name, f"model.cache_dir={model_cache}", "trainer.lr=0.01")
     steps = [[make_group(run_name, s, g) for g in range(B)] for s in range(3)]
@@ -323,7 +323,7 @@ def test_torch_trainer_sigkill_mid_step_resumes_exactly(
     mini-batches (metrics.jsonl, groups.msgpack) through one uninterrupted backend from v0 gives the
     final published weights.  Catches: a resume from the initial weights or a fresh AdamW, a group
     trained twice or lost in the redo, and a log that does not match what was trained."""
-    from rolloutpipe.trainer.backends import TorchBackend
+    from rolloutpipe.roles.trainer.backends import TorchBackend
 
     steps = 3
     cfg = make_config(

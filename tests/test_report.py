@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rolloutpipe.report import ReportError, write_html_report
+from rolloutpipe.tools.report import ReportError, write_html_report
 
 from .conftest import ROOT
 
@@ -84,7 +84,7 @@ def test_report_cli(tmp_path: Path) -> None:
 def test_the_step_picture_shows_the_training_stats_one_unit_per_panel() -> None:
     """report.png put seconds and a ratio on one axis and left out loss, grad norm, clip fraction,
     entropy, KL and response length, which metrics.jsonl holds."""
-    from rolloutpipe.report import step_panels
+    from rolloutpipe.tools.report import step_panels
 
     rows = [{"step": k, "reward_mean": 0.5, "trainer_wait_ratio": 0.2, "rollout_to_train_end_s": 3.0 + k,
              "tokens": 40 * (k + 1), "samples": 8, "eval_reward": 0.4 if k == 1 else None,

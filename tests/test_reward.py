@@ -1,4 +1,4 @@
-"""Scoring (``rolloutpipe/workers/reward.py``, ``verifiers.math_verify``): math-verify on a table of
+"""Scoring (``rolloutpipe/tasks/reward.py``, ``verifiers.math_verify``): math-verify on a table of
 known-equal and known-different pairs, a verifier that hangs, raises or kills its process, and the
 three kinds of reward function (ours, verl's, slime's) inline and in the process pool.
 
@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 
 from rolloutpipe.errors import ConfigError
-from rolloutpipe.workers.reward import Score, ScoreInput, Scorer, classify, load_function
-from rolloutpipe.workers.verifiers import exact_match, math_verify
+from rolloutpipe.tasks.reward import Score, ScoreInput, Scorer, classify, load_function
+from rolloutpipe.tasks.verifiers import exact_match, math_verify
 from tests.byo_rewards import TOWER
 
-MATH = "rolloutpipe.workers.verifiers:math_verify"
+MATH = "rolloutpipe.tasks.verifiers:math_verify"
 
 
 def task(verifier: str, pool: str = "process", timeout_s: float = 10.0, **reward_args: Any) -> Any:
@@ -241,7 +241,7 @@ async def slime_rm(args: Any, sample: Any) -> Any:
         ("tests.test_reward:verl_with_kwargs", {"bonus": 0.25}, "verl", 1.25),  # verl's reward_kwargs
         ("tests.test_reward:slime_rm", {"reward_key": "acc", "scale": 2.0}, "slime", 2.0),
         ("tests.byo_rewards:custom_rm", {"correct_reward": 3.0}, "slime", 3.0),
-        ("rolloutpipe.workers.verifiers.first_char_match", {}, "ours", 1.0),
+        ("rolloutpipe.tasks.verifiers.first_char_match", {}, "ours", 1.0),
     ],
 )
 def test_each_kind_of_reward_function_as_written(
@@ -260,7 +260,7 @@ def test_each_kind_of_reward_function_as_written(
 
 
 def test_auto_runs_cheap_checks_inline_and_everything_else_in_the_pool(tmp_path: Path) -> None:
-    with Scorer(task("rolloutpipe.workers.verifiers:exact_match", "auto")) as s:
+    with Scorer(task("rolloutpipe.tasks.verifiers:exact_match", "auto")) as s:
         assert s.mode == "inline" and s.pool is None
     with Scorer(task(MATH, "auto")) as s:
         assert s.mode == "process"

@@ -18,7 +18,7 @@ import redis
 from rolloutpipe.broker.codec import iter_events
 from rolloutpipe.broker.events import Group
 from rolloutpipe.broker.streams import Keys
-from rolloutpipe.policy import CharCodec
+from rolloutpipe.model.lm import CharCodec
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow

@@ -36,7 +36,7 @@ from rolloutpipe.broker.codec import DEFAULT_CODEC, iter_events
 from rolloutpipe.broker.events import Group, GroupPlan, StepPlan
 from rolloutpipe.broker.streams import DATA, Keys
 from rolloutpipe.config import Config
-from rolloutpipe.runner import Cluster, run_cluster
+from rolloutpipe.launch.cluster import Cluster, run_cluster
 from tests.conftest import make_config
 from tests.helpers import load_weights, max_abs_diff, step_metrics, wait_version
 
@@ -135,8 +135,8 @@ def test_cgp_equals_sync_on_same_minibatches(
 def test_recomputing_old_logprobs_with_updated_weights_diverges(cgp_run: tuple[Config, Path]) -> None:
     """The bug the test above guards against, reproduced in-process: it ends elsewhere."""
 
-    from rolloutpipe.policy import ensure_model, load_model
-    from rolloutpipe.trainer.backends import TorchBackend
+    from rolloutpipe.model.lm import ensure_model, load_model
+    from rolloutpipe.roles.trainer.backends import TorchBackend
 
     cfg, out = cgp_run
     recorded = _recorded(out)
@@ -179,8 +179,8 @@ def _make_groups(cfg: Config) -> list[list[list[Group]]]:
     import torch
 
     from rolloutpipe.broker.events import AllocationRecord, FrontierStatus, Sample
-    from rolloutpipe.policy import EOS, CharCodec, ensure_model, load_model, response_logprobs
-    from rolloutpipe.trainer.grpo import group_advantages
+    from rolloutpipe.model.lm import EOS, CharCodec, ensure_model, load_model, response_logprobs
+    from rolloutpipe.rl.grpo import group_advantages
 
     rng = np.random.default_rng(7)
     model = load_model(ensure_model(cfg.model))
@@ -259,7 +259,7 @@ def _padded_reference(
     import numpy as np
     import torch
 
-    from rolloutpipe.policy import PAD, ensure_model, load_model
+    from rolloutpipe.model.lm import PAD, ensure_model, load_model
 
     tc = cfg.trainer
     torch.manual_seed(tc.seed)
@@ -361,8 +361,8 @@ def _options_case(
     list[tuple[float, float]],
     dict[str, torch.Tensor],
 ]:
-    from rolloutpipe.policy import ensure_model, load_model
-    from rolloutpipe.trainer.backends import TorchBackend
+    from rolloutpipe.model.lm import ensure_model, load_model
+    from rolloutpipe.roles.trainer.backends import TorchBackend
 
     cfg = make_config(
         tmp_path,

@@ -22,8 +22,8 @@ from rolloutpipe.broker.events import Allocation, DeadLetter, GroupPlan, PolicyV
 from rolloutpipe.broker.streams import DATA, Broker, Groups, Keys, shard_of
 from rolloutpipe.broker.trim import trim_streams
 from rolloutpipe.errors import ConfigError
-from rolloutpipe.ops import stream_key, stream_name
-from rolloutpipe.workers.aggregator import Aggregator
+from rolloutpipe.roles.aggregator import Aggregator
+from rolloutpipe.tools.ops import stream_key, stream_name
 from tests.conftest import EMULATED_FAST, make_config
 
 

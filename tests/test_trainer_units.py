@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from rolloutpipe.errors import WeightsVerificationError
-from rolloutpipe.trainer.grpo import aggregate_sum, group_advantages, policy_loss
-from rolloutpipe.trainer.weights import load_verified_state, publish_weights
+from rolloutpipe.model.weights import load_verified_state, publish_weights
+from rolloutpipe.rl.grpo import aggregate_sum, group_advantages, policy_loss
 
 
 def test_group_advantages() -> None:

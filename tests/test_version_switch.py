@@ -12,8 +12,8 @@ import pytest
 from rolloutpipe.broker.events import DeadLetter, PolicyVersion, RolloutRequest, Sample
 from rolloutpipe.broker.streams import Broker
 from rolloutpipe.config import Config
-from rolloutpipe.workers.engines.base import Generation
-from rolloutpipe.workers.rollout import RolloutWorker
+from rolloutpipe.engines.base import Generation
+from rolloutpipe.roles.rollout import RolloutWorker
 
 from .conftest import make_config
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from rolloutpipe.trainer.weights import WEIGHTS_FILE, load_verified_state, publish_weights
+from rolloutpipe.model.weights import WEIGHTS_FILE, load_verified_state, publish_weights
 from tests.conftest import ROOT
 
 # A trainer that is killed inside publish_weights: it stops once the weights file is written
@@ -27,7 +27,7 @@ WRITER = textwrap.dedent(
     import sys, time
     from pathlib import Path
     import torch
-    import rolloutpipe.trainer.weights as w
+    import rolloutpipe.model.weights as w
 
     def stuck(path):
         print("writing", path.parent.name, flush=True)
@@ -82,7 +82,7 @@ def test_this_process_removes_its_own_unfinished_folders(tmp_path: Path) -> None
 
 
 def test_a_failed_publish_removes_its_temp_folder(tmp_path: Path) -> None:
-    import rolloutpipe.trainer.weights as w
+    import rolloutpipe.model.weights as w
 
     real = w.sha256_file
 
@@ -117,7 +117,7 @@ def test_a_new_version_is_never_pruned_by_an_earlier_runs_higher_ones(tmp_path: 
 
 
 def test_a_new_checkpoint_is_never_pruned_by_an_earlier_runs_higher_ones(tmp_path: Path) -> None:
-    from rolloutpipe.trainer import checkpoint
+    from rolloutpipe.roles.trainer import checkpoint
 
     for s in (58, 59, 60):
         checkpoint.save(tmp_path, s, {}, keep=2)

@@ -23,8 +23,8 @@ import redis
 from rolloutpipe.broker.codec import iter_events
 from rolloutpipe.broker.events import Group
 from rolloutpipe.broker.streams import Keys
-from rolloutpipe.runner import Cluster
-from rolloutpipe.trainer.weights import WEIGHTS_FILE, sha256_file
+from rolloutpipe.launch.cluster import Cluster
+from rolloutpipe.model.weights import WEIGHTS_FILE, sha256_file
 
 from .conftest import ROOT, make_config
 from .test_exactly_once import Driver, stop_cluster

@@ -1,5 +1,5 @@
-"""Weights across hosts: the trainer's HTTP endpoint (``trainer/weights_http.py``) and the worker's
-fetcher (``workers/weights_fetch.py``), against a real aiohttp server on loopback.
+"""Weights across hosts: the trainer's HTTP endpoint (``roles/trainer/weights_http.py``) and the worker's
+fetcher (``model/fetch.py``), against a real aiohttp server on loopback.
 
 Catches: a path outside the published version folders served (``..``, encoded slashes, a ``.tmp-*``
 folder still being written, a hidden file, a symlink out of the folder); corrupted bytes loaded or
@@ -24,10 +24,10 @@ from rolloutpipe.broker.events import PolicyVersion
 from rolloutpipe.broker.streams import Broker
 from rolloutpipe.config import parse_listen
 from rolloutpipe.errors import ConfigError, WeightsVerificationError
-from rolloutpipe.trainer.weights import WEIGHTS_FILE, publish_weights, sha256_file, verify_weights
-from rolloutpipe.trainer.weights_http import WeightsServer, make_app, serve_weights
-from rolloutpipe.workers.rollout import RolloutWorker
-from rolloutpipe.workers.weights_fetch import WeightsFetcher
+from rolloutpipe.model.fetch import WeightsFetcher
+from rolloutpipe.model.weights import WEIGHTS_FILE, publish_weights, sha256_file, verify_weights
+from rolloutpipe.roles.rollout import RolloutWorker
+from rolloutpipe.roles.trainer.weights_http import WeightsServer, make_app, serve_weights
 
 from .conftest import make_config
 
@@ -328,7 +328,7 @@ async def test_workers_of_one_host_share_one_download(tmp_path: Path) -> None:
 
 def test_no_url_means_no_fetcher(tmp_path: Path) -> None:
     """Without rollout.weights_url the engine gets the event as published (shared storage)."""
-    from rolloutpipe.workers.weights_fetch import make_fetcher
+    from rolloutpipe.model.fetch import make_fetcher
 
     assert make_fetcher(make_config(tmp_path, "c").rollout, "c") is None
     f = make_fetcher(make_config(tmp_path, "c", "rollout.weights_url=http://h:1/").rollout, "c")

@@ -82,7 +82,7 @@ class RolloutRequest(Event):
     # A dataset that gives the prompt as a conversation: its chat messages ({"role", "content"}),
     # which an engine with a chat template encodes; ``prompt`` is then their contents, joined.
     messages: list[dict[str, str]] = Field(default_factory=list)
-    # What a verl ``compute_score`` or a slime reward function is also handed (``workers/reward.py``):
+    # What a verl ``compute_score`` or a slime reward function is also handed (``tasks/reward.py``):
     # the row's ``data_source`` and its metadata (verl's ``extra_info``, slime's ``metadata``).
     data_source: str = ""
     extra_info: dict[str, Any] = Field(default_factory=dict)

@@ -14,7 +14,7 @@ import numpy as np
 
 from rolloutpipe.broker.events import AllocationRecord, FrontierStatus, Group, Sample
 from rolloutpipe.config import Config
-from rolloutpipe.trainer.grpo import group_advantages
+from rolloutpipe.rl.grpo import group_advantages
 
 GROUPS = 4  # per step
 GPM = 2  # groups per mini-batch: 2 optimizer steps per step
@@ -24,7 +24,7 @@ G = 5
 def make_groups(cfg: Config, step: int, rng: np.random.Generator) -> list[Group]:
     import torch
 
-    from rolloutpipe.policy import EOS, CharCodec, ensure_model, load_model, response_logprobs
+    from rolloutpipe.model.lm import EOS, CharCodec, ensure_model, load_model, response_logprobs
 
     model = load_model(ensure_model(cfg.model))
     codec = CharCodec()

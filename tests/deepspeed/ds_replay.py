@@ -16,9 +16,9 @@ from pathlib import Path
 from rolloutpipe.broker.codec import iter_events
 from rolloutpipe.broker.events import Group
 from rolloutpipe.config import load_config
-from rolloutpipe.trainer import ds_backend
-from rolloutpipe.trainer.backends import TorchBackend
-from rolloutpipe.trainer.weights import load_verified_state
+from rolloutpipe.model.weights import load_verified_state
+from rolloutpipe.roles.trainer import ds_backend
+from rolloutpipe.roles.trainer.backends import TorchBackend
 from tests.deepspeed.ds_groups import minibatches
 
 

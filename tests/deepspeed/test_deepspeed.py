@@ -187,7 +187,7 @@ def _deepspeed_launcher() -> list[str]:
 def test_trainer_under_torchrun(
     stage: int, launcher: str, tmp_path: Path, redis_url: str, model_cache: str, run_name: str
 ) -> None:
-    from rolloutpipe.trainer.backends import TorchBackend
+    from rolloutpipe.roles.trainer.backends import TorchBackend
 
     cfg = _config(tmp_path, run_name, model_cache, f"trainer.deepspeed.zero_stage={stage}")
     out = Path(cfg.out)

@@ -1,6 +1,6 @@
 """A policy written outside the package: mixed group sizes, an extension, an early close, a skip, a refill.
 
-Only ``rolloutpipe.workers.policies.base`` is imported: this file is all it takes to add a policy.
+Only ``rolloutpipe.scheduling.base`` is imported: this file is all it takes to add a policy.
 Groups of a step, in plan order:
 
 * 0, 1, 2: 4, 8 and 12 samples, final at plan time;
@@ -15,7 +15,7 @@ instance of this class) takes the same decisions.
 
 from __future__ import annotations
 
-from rolloutpipe.workers.policies.base import (
+from rolloutpipe.scheduling.base import (
     AddGroup,
     BasePolicy,
     Close,

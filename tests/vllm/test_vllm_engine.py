@@ -28,11 +28,11 @@ from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.events import PolicyVersion, RolloutRequest, Sample
 from rolloutpipe.broker.streams import DATA, Keys
 from rolloutpipe.config import Config
+from rolloutpipe.engines import make_engine
+from rolloutpipe.engines.vllm_engine import VllmEngine
 from rolloutpipe.errors import WeightsVerificationError
-from rolloutpipe.policy import EOS, CharCodec, ensure_model, load_model, response_logprobs
-from rolloutpipe.trainer.weights import WEIGHTS_FILE, publish_weights
-from rolloutpipe.workers.engines import make_engine
-from rolloutpipe.workers.engines.vllm_engine import VllmEngine
+from rolloutpipe.model.lm import EOS, CharCodec, ensure_model, load_model, response_logprobs
+from rolloutpipe.model.weights import WEIGHTS_FILE, publish_weights
 from tests.conftest import ROOT, make_config
 
 pytestmark = [
@@ -374,7 +374,7 @@ class TestVllmEngine:
         bad = publish_weights(perturbed(base_state, seed=24), tmp_path / "weights", "e", 2)
         corrupt(bad)
         if where == "vllm worker":  # the file changed after this process verified it
-            monkeypatch.setattr("rolloutpipe.trainer.weights.verify_weights", lambda pv: None)
+            monkeypatch.setattr("rolloutpipe.model.weights.verify_weights", lambda pv: None)
         with pytest.raises(WeightsVerificationError, match="sha256") as e:
             await engine.load_weights(bad)
         assert ("refused" in str(e.value)) == (where == "vllm worker")

@@ -23,11 +23,11 @@ import torch
 
 from rolloutpipe.broker.events import RolloutRequest
 from rolloutpipe.config import Config
-from rolloutpipe.policy import EOS, ensure_model
-from rolloutpipe.trainer.weights import publish_weights
-from rolloutpipe.workers.engines import make_engine
-from rolloutpipe.workers.engines.base import Generation, Preemptible
-from rolloutpipe.workers.engines.vllm_engine import VllmEngine, continuation_seed
+from rolloutpipe.engines import make_engine
+from rolloutpipe.engines.base import Generation, Preemptible
+from rolloutpipe.engines.vllm_engine import VllmEngine, continuation_seed
+from rolloutpipe.model.lm import EOS, ensure_model
+from rolloutpipe.model.weights import publish_weights
 from tests.conftest import make_config
 from tests.vllm.test_vllm_engine import ATOL, ENGINE, PROMPTS, Reference, perturbed
 from tests.vllm.test_vllm_engine import request as make_request

@@ -23,12 +23,12 @@ import torch
 
 from rolloutpipe.broker.events import RolloutRequest
 from rolloutpipe.config import Config, VllmEngineConfig
+from rolloutpipe.engines import make_engine
+from rolloutpipe.engines.base import Generation
+from rolloutpipe.engines.vllm_engine import MANAGED_ARGS, VllmEngine
 from rolloutpipe.errors import ConfigError
-from rolloutpipe.policy import EOS, ensure_model, load_model
-from rolloutpipe.trainer.weights import publish_weights
-from rolloutpipe.workers.engines import make_engine
-from rolloutpipe.workers.engines.base import Generation
-from rolloutpipe.workers.engines.vllm_engine import MANAGED_ARGS, VllmEngine
+from rolloutpipe.model.lm import EOS, ensure_model, load_model
+from rolloutpipe.model.weights import publish_weights
 from tests.conftest import make_config
 from tests.vllm.test_vllm_engine import ENGINE, PROMPTS, perturbed
 from tests.vllm.test_vllm_engine import request as make_request

@@ -38,13 +38,13 @@ import torch
 
 from rolloutpipe.broker.events import PolicyVersion
 from rolloutpipe.config import Config
+from rolloutpipe.engines import make_engine
+from rolloutpipe.engines.base import Generation
+from rolloutpipe.engines.vllm_engine import VllmEngine
+from rolloutpipe.engines.vllm_ext import REFUSED
 from rolloutpipe.errors import WeightsVerificationError
-from rolloutpipe.policy import EOS, CharCodec, decode_batch, ensure_model, load_model, sampler
-from rolloutpipe.trainer.weights import publish_weights
-from rolloutpipe.workers.engines import make_engine
-from rolloutpipe.workers.engines.base import Generation
-from rolloutpipe.workers.engines.vllm_engine import VllmEngine
-from rolloutpipe.workers.engines.vllm_ext import REFUSED
+from rolloutpipe.model.lm import EOS, CharCodec, decode_batch, ensure_model, load_model, sampler
+from rolloutpipe.model.weights import publish_weights
 from tests.conftest import make_config
 from tests.vllm.test_vllm_engine import ATOL, ENGINE, PROMPTS, corrupt, perturbed, request
 
@@ -209,7 +209,7 @@ async def test_refused_switch_keeps_the_weights(
     assert bad.sha256 == b.pv.sha256
     corrupt(bad)
     if where == "vllm worker":  # the file changed after the rollout process verified it
-        monkeypatch.setattr("rolloutpipe.trainer.weights.verify_weights", lambda pv: None)
+        monkeypatch.setattr("rolloutpipe.model.weights.verify_weights", lambda pv: None)
     with pytest.raises(WeightsVerificationError, match="sha256") as e:
         await switch(engine, bad, f"run a -> corrupted run b (refused in the {where})")
     assert (REFUSED in str(e.value)) == (where == "vllm worker")

@@ -1,0 +1,1 @@
+"""Benchmark suites (``rolloutpipe bench --suite ...``) and their models."""

@@ -1,0 +1,347 @@
+"""``rolloutpipe bench``: the same workload in ``sync``, ``cgp``, ``cgp-fgd`` and controls, side by side.
+
+Each (setting, mode) is a separate run (own stream namespace) on one Redis, with real role
+processes, the emulated engine and the emulated trainer.  Every figure comes from observed
+timestamps: sample admission/completion stamped by the workers, group reads and busy intervals
+stamped by the trainer.
+
+* ``rolloutpipe bench`` runs one quick setting (``configs/bench-quick.yaml``);
+* ``rolloutpipe bench --suite paper`` runs the 12 settings of ``configs/bench/paper.yaml``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rolloutpipe.bench.bound import Bound, EngineModel, TrainerModel, r2t_bound, wait_ratio_bound
+from rolloutpipe.broker.embedded import EmbeddedRedis
+from rolloutpipe.broker.events import StepMetrics
+from rolloutpipe.config import Config, load_config
+from rolloutpipe.errors import ConfigError
+from rolloutpipe.launch.cluster import run_cluster
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+DEFAULT_CONFIG = CONFIGS / "bench-quick.yaml"
+KEYS = ("rollout_to_train_end_s", "trainer_wait_ratio", "first_group_s", "dispatch_latency_p50_s",
+        "dispatch_latency_p99_s", "admission_latency_p50_s", "rollout_makespan_s", "last_minibatch_train_s",
+        "last_group_train_s", "train_busy_s")  # fmt: skip
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> list[str]:
+    """``{"a": {"b": 1}}`` -> ``["a.b=1"]`` (config overrides)."""
+    out: list[str] = []
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out += flatten(v, key + ".")
+        else:
+            out.append(f"{key}={json.dumps(v) if not isinstance(v, str) else v}")
+    return out
+
+
+# Each mode of the bench: its config overrides.  sync/cgp/cgp-fgd are the paper's presets; the rest
+# are controls and ablations, so that each mechanism is measured on and off in the same run:
+# cgp-late is FIFO with late assignment (load balancing without FGD's order), fgd-no-length and
+# fgd-no-window are cgp-fgd without one of its two mechanisms.
+MODE_SPECS: dict[str, list[str]] = {
+    "sync": ["controller.mode=sync"],
+    "cgp": ["controller.mode=cgp"],
+    "cgp-late": ["trainer.schedule=pipelined", "controller.policy=fifo-late"],
+    "cgp-fgd": ["controller.mode=cgp-fgd"],
+    "fgd-no-length": ["controller.mode=cgp-fgd", "controller.fgd_length_aware=false"],
+    "fgd-no-window": ["controller.mode=cgp-fgd", "controller.fgd_window=off"],
+}
+DEFAULT_MODES = ("sync", "cgp", "cgp-late", "cgp-fgd")
+# Student's t, 97.5th percentile, by degrees of freedom (1.96 only beyond 30)
+T95 = {1: 12.71, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+       11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+       20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048,
+       29: 2.045, 30: 2.042}  # fmt: skip
+
+
+def interval(xs: list[float]) -> tuple[float, float, float]:
+    """Mean and 95% t-interval of ``xs`` (paired per-step figures, so step-to-step workload
+    differences cancel); a single value has no interval (infinitely wide: never "beyond" it)."""
+    n = len(xs)
+    m = statistics.fmean(xs)
+    if n < 2:
+        return m, -math.inf, math.inf
+    h = T95.get(n - 1, 1.96) * statistics.stdev(xs) / n**0.5
+    return m, m - h, m + h
+
+
+def median_metrics(ms: list[StepMetrics], skip_first: bool = True) -> dict[str, float]:
+    use = ms[1:] if skip_first and len(ms) > 1 else ms
+    out: dict[str, float] = {k: statistics.median(getattr(m, k) for m in use) for k in KEYS}
+    out["overhead_frac"] = (out["admission_latency_p50_s"] + out["dispatch_latency_p50_s"]) / out[
+        "rollout_to_train_end_s"
+    ]
+    out["steps_measured"] = len(use)
+    return out
+
+
+def step_bounds(cfg: Config, timeline: Path) -> dict[int, Bound]:
+    """The r2t bound of every recorded step, from its samples' lengths (``bench/bound.py``)."""
+    from rolloutpipe.roles.trainer.backends import emulated_passes
+
+    ec, tc = cfg.rollout.emulated, cfg.trainer.emulated
+    eng = EngineModel(cfg.rollout.workers, ec.max_num_seqs, ec.decode_base_s, ec.decode_per_seq_s,
+                      ec.prefill_per_token_s * ec.prompt_tokens, ec.time_scale)  # fmt: skip
+    gpm = cfg.controller.prompts_per_step // cfg.controller.minibatches
+    tr = TrainerModel(tc.tokens_per_s, emulated_passes(cfg), tc.call_overhead_s, tc.optimizer_step_s, gpm,
+                      tc.time_scale)  # fmt: skip
+    out = {}
+    for line in timeline.read_text().splitlines():
+        rec = json.loads(line)
+        groups = [[(s[3], s[4]) for s in g["samples"]] for g in rec["groups"]]
+        if groups:
+            out[rec["step"]] = r2t_bound(groups, eng, tr)
+    return out
+
+
+def derive(setting: dict[str, Any]) -> None:
+    """Per mode, paired with sync step by step: reductions, share of the achievable cut, with
+    intervals; and the bound's violations, which would mean the emulation or the bound is wrong."""
+    steps = setting["steps"]
+    sync = setting["per_step"]["sync"]
+    bound = setting["bound_per_step"]
+    for name, ms in setting["per_step"].items():
+        m = setting["modes"][name]
+        red = [1 - ms[k]["r2t"] / sync[k]["r2t"] for k in steps]
+        wred = [1 - ms[k]["wait"] / sync[k]["wait"] for k in steps if sync[k]["wait"] > 0]
+        share = [(sync[k]["r2t"] - ms[k]["r2t"]) / (sync[k]["r2t"] - bound[k]["r2t"]) for k in steps
+                 if sync[k]["r2t"] > bound[k]["r2t"]]  # fmt: skip
+        m["reduction_vs_sync"] = interval(red)
+        m["wait_ratio_reduction_vs_sync"] = interval(wred or [0.0])
+        m["share_of_cut"] = interval(share or [0.0])
+        m["bound_violations"] = sum(1 for k in steps if ms[k]["r2t"] < bound[k]["r2t"] * (1 - 1e-3))
+    if "cgp" in setting["per_step"] and "cgp-fgd" in setting["per_step"]:
+        cg, fg = setting["per_step"]["cgp"], setting["per_step"]["cgp-fgd"]
+        setting["fgd_minus_cgp"] = interval([(cg[k]["r2t"] - fg[k]["r2t"]) / sync[k]["r2t"] for k in steps])
+    setting["achievable_cut"] = interval([1 - bound[k]["r2t"] / sync[k]["r2t"] for k in steps])
+    setting["wait_bound"] = statistics.fmean(bound[k]["wait"] for k in steps)
+    setting["achievable_wait_cut"] = interval(
+        [1 - bound[k]["wait"] / sync[k]["wait"] for k in steps if sync[k]["wait"] > 0] or [0.0]
+    )
+
+
+def pct(iv: Any) -> str:
+    """A reduction as a change: -30.1% [-33.0, -27.2]."""
+    m, lo, hi = iv
+    if not math.isfinite(lo):
+        return f"{-m:+.1%} [n/a]"
+    return f"{-m:+.1%} [{-hi * 100:+.1f}, {-lo * 100:+.1f}]"
+
+
+def mode_table(setting: dict[str, Any]) -> str:
+    lines = [
+        "| mode | r2t (s) | vs sync [95% CI] | wait ratio | vs sync [95% CI] | share of achievable cut | "
+        "first group (s) | dispatch p50 / p99 (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for mode, m in setting["modes"].items():
+        lines.append(
+            f"| {mode} | {m['rollout_to_train_end_s']:.2f} | {pct(m['reduction_vs_sync'])} | "
+            f"{m['trainer_wait_ratio']:.3f} | {pct(m['wait_ratio_reduction_vs_sync'])} | "
+            f"{m['share_of_cut'][0]:.0%} | {m['first_group_s']:.2f} | "
+            f"{m['dispatch_latency_p50_s']:.3f} / {m['dispatch_latency_p99_s']:.3f} |"
+        )
+    lines.append("\n" + footer(setting))
+    return "\n".join(lines)
+
+
+def footer(s: dict[str, Any]) -> str:
+    viol = {k: v["bound_violations"] for k, v in s["modes"].items() if v["bound_violations"]}
+    return (
+        f"{s['name']}: true bound {s['bound_s']:.2f} wall s = {s['bound_s'] / s['time_scale']:.0f} emulated "
+        "s "
+        "(median of "
+        f"{len(s['steps'])} measured steps); achievable cut {pct(s['achievable_cut'])}; wait-ratio bound "
+        f"{s['wait_bound']:.3f}, achievable wait cut {pct(s['achievable_wait_cut'])}; window on in "
+        f"{s['window_steps']} of "
+        f"{len(s['steps'])} cgp-fgd steps; broker+Python overhead "
+        f"{max(m['overhead_frac'] for m in s['modes'].values()):.2%} of a step"
+        + (f"; BOUND VIOLATED (steps per mode): {viol}" if viol else "")
+    )
+
+
+def suite_table(settings: list[dict[str, Any]]) -> str:
+    """One row per setting: every mode's r2t change vs sync with its 95% interval (paired by step),
+    the achievable cut from the true bound, and cgp-fgd's share of it."""
+    modes = list(settings[0]["modes"])
+    others = [m for m in modes if m != "sync"]
+    head = ["setting", "sync r2t (s)", *(f"{m} vs sync" for m in others), "achievable (bound)",
+            "fgd share of cut", "fgd - cgp (points)", "sync wait", "fgd wait", "wait bound",
+            "fgd wait vs sync", "achievable wait cut"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in settings:
+        m = s["modes"]
+        fg = m.get("cgp-fgd", m[others[-1]])
+        d = s.get("fgd_minus_cgp", (0.0, 0.0, 0.0))
+        row = [s["name"], f"{m['sync']['rollout_to_train_end_s'] / s['time_scale']:.0f}",
+               *(pct(m[o]["reduction_vs_sync"]) for o in others), pct(s["achievable_cut"]),
+               f"{fg['share_of_cut'][0]:.0%} [{fg['share_of_cut'][1]:.0%}, {fg['share_of_cut'][2]:.0%}]",
+               f"{d[0] * 100:+.1f} [{d[1] * 100:+.1f}, {d[2] * 100:+.1f}]",
+               f"{m['sync']['trainer_wait_ratio']:.2f}", f"{fg['trainer_wait_ratio']:.2f}",
+               f"{s['wait_bound']:.2f}", pct(fg["wait_ratio_reduction_vs_sync"]),
+               pct(s["achievable_wait_cut"])]  # fmt: skip
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", *(footer(s) for s in settings), "", targets(settings)]
+    return "\n".join(lines)
+
+
+def targets(settings: list[dict[str, Any]]) -> str:
+    """The paper's targets, cgp-fgd vs sync, each where the bound allows it."""
+    if not all("cgp-fgd" in s["modes"] for s in settings):
+        return ""
+    r2t = [s for s in settings if s["achievable_cut"][0] >= 0.307]
+    r2t_met = [s["name"] for s in r2t if s["modes"]["cgp-fgd"]["reduction_vs_sync"][0] >= 0.307]
+    wait = [s for s in settings if s["achievable_wait_cut"][0] >= 0.37]
+    wait_met = [s["name"] for s in wait if s["modes"]["cgp-fgd"]["wait_ratio_reduction_vs_sync"][0] >= 0.37]
+    shares = [s["modes"]["cgp-fgd"]["share_of_cut"][0] for s in settings]
+    ahead = [s["name"] for s in settings if s.get("fgd_minus_cgp", (0, 0, 0))[1] > 0]
+    behind = [s["name"] for s in settings if s.get("fgd_minus_cgp", (0, 0, 0))[2] < 0]
+    return "\n".join([
+        f"targets (cgp-fgd vs sync): r2t >= 30.7% shorter in {len(r2t_met)} of the {len(r2t)} settings whose "
+        f"bound allows it; wait ratio >= 37% lower in {len(wait_met)} of {len(wait)}; median share of the "
+        f"achievable cut {statistics.median(shares):.0%} (target 75%); ahead of cgp beyond the interval in "
+        f"{len(ahead)} of {len(settings)} ({', '.join(ahead) or 'none'}); behind beyond it in {len(behind)} "
+        f"({', '.join(behind) or 'none'})",
+    ])  # fmt: skip
+
+
+def window_steps(out: Path) -> int:
+    """Steps in which cgp-fgd's window was on (from the controller's log)."""
+    log = out / "logs" / "controller.log"
+    if not log.exists():
+        return 0
+    return sum(1 for line in log.read_text().splitlines() if "-> window on" in line)
+
+
+def run_setting(
+    name: str, overrides: list[str], base: Path, url: str, out: Path, bar: Any = None,
+    modes: tuple[str, ...] = DEFAULT_MODES,
+) -> dict[str, Any]:  # fmt: skip
+    per_step: dict[str, dict[int, dict[str, float]]] = {}
+    results: dict[str, Any] = {}
+    bounds: dict[int, Bound] = {}
+    steps: list[int] = []
+    wsteps = 0
+    for mode in modes:
+        cfg = load_config(
+            base,
+            [*overrides, *MODE_SPECS[mode], f"run={name}-{mode}", f"out={out / name / mode}",
+             "trainer.record_timeline=true"],
+            environ={},
+        )  # fmt: skip
+        ms = run_cluster(cfg, url, Path(cfg.out), progress=False, timeout_s=1800)
+        results[mode] = median_metrics(ms)
+        steps = [m.step for m in ms[1:]] if len(ms) > 1 else [m.step for m in ms]
+        if mode == "sync":
+            bounds = step_bounds(cfg, Path(cfg.out) / "timeline.jsonl")
+        if mode == "cgp-fgd":
+            wsteps = window_steps(Path(cfg.out))
+        per_step[mode] = {m.step: {"r2t": m.rollout_to_train_end_s, "wait": m.trainer_wait_ratio} for m in ms}
+        if bar is not None:
+            bar.update(1)
+    setting: dict[str, Any] = {
+        "name": name,
+        "time_scale": cfg.rollout.emulated.time_scale,
+        "steps": steps,
+        "modes": results,
+        "per_step": per_step,
+        "bound_per_step": {
+            k: {"r2t": b.r2t, "wait": wait_ratio_bound(b.train_busy, b.r2t), "terms": asdict(b)}
+            for k, b in bounds.items()
+        },
+        "window_steps": wsteps,
+    }
+    setting["bound_s"] = statistics.median(setting["bound_per_step"][k]["r2t"] for k in steps)
+    derive(setting)
+    try:
+        from rolloutpipe.tools.timeline import plot_setting
+
+        setting["timeline_png"] = str(plot_setting(out / name, name, modes))
+    except ImportError:  # matplotlib is a dependency; a missing picture must not lose the numbers
+        pass
+    return setting
+
+
+def load_suite(name: str) -> tuple[Path, list[tuple[str, list[str]]], tuple[str, ...]]:
+    path = Path(name) if name.endswith(".yaml") else CONFIGS / "bench" / f"{name}.yaml"
+    if not path.exists():
+        raise ConfigError(f"benchmark suite {name!r} not found (looked for {path})")
+    spec = yaml.safe_load(path.read_text())
+    base = path.parent / spec["hardware"]
+    settings = []
+    for wname, wfile in spec["workloads"].items():
+        wover = flatten(yaml.safe_load((path.parent / wfile).read_text()) or {})
+        for s in spec["settings"]:
+            extra = {k: v for k, v in s.items() if k != "name"}
+            settings.append((f"{wname}-{s['name']}", [*wover, *flatten(extra)]))
+    modes = tuple(spec.get("modes", DEFAULT_MODES))
+    unknown = [m for m in modes if m not in MODE_SPECS]
+    if unknown or "sync" not in modes:
+        raise ConfigError(f"suite {name!r}: modes must include sync and be among {sorted(MODE_SPECS)}")
+    return base, settings, modes
+
+
+def run_bench(
+    config: str | None,
+    out: Path,
+    overrides: list[str],
+    *,
+    steps: int | None = None,
+    url: str = "",
+    progress: bool = True,
+    suite: str = "",
+    scale: float | None = None,
+) -> tuple[str, str]:
+    """Run the benchmark; returns the table and a line saying where the results are."""
+    extra = list(overrides)
+    if steps is not None:
+        extra.append(f"controller.steps={steps}")
+    if scale is not None:
+        extra += [f"rollout.emulated.time_scale={scale}", f"trainer.emulated.time_scale={scale}"]
+    modes: tuple[str, ...] = DEFAULT_MODES
+    if suite:
+        base, settings, modes = load_suite(suite)
+        settings = [(n, [*o, *extra]) for n, o in settings]
+    else:
+        base = Path(config) if config else DEFAULT_CONFIG
+        settings = [("quick", extra)]
+    load_config(base, settings[0][1], environ={})  # fail fast on a bad config, before any process starts
+    out.mkdir(parents=True, exist_ok=True)
+    bar: Any = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(settings) * len(modes), desc="bench", unit="run", file=sys.stderr)
+    t0 = time.monotonic()
+    er = None if url else EmbeddedRedis().start()
+    results = []
+    try:
+        for name, over in settings:
+            if bar is not None:
+                bar.set_postfix_str(name)
+            results.append(run_setting(name, over, base, url or (er.url if er else ""), out, bar, modes))
+    finally:
+        if er is not None:
+            er.stop()
+        if bar is not None:
+            bar.close()
+    doc = {"suite": suite or "quick", "wall_s": time.monotonic() - t0,
+           "settings": results}  # fmt: skip
+    (out / "results.json").write_text(json.dumps(doc, indent=2))
+    text = mode_table(results[0]) if len(results) == 1 else suite_table(results)
+    (out / "results.md").write_text(text + "\n")
+    return text, f"results: {out / 'results.json'}, {out / 'results.md'} ({doc['wall_s']:.0f} s)"

@@ -1,0 +1,1 @@
+"""Starting roles as processes: the local cluster and the shared-pool harness."""

@@ -1,0 +1,1 @@
+"""RL maths shared by the aggregator and the trainer: advantages and losses."""

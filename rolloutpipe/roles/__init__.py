@@ -1,0 +1,1 @@
+"""The role processes: controller, rollout worker, aggregator, pool scheduler, trainer."""

@@ -1,0 +1,1 @@
+"""Verifiable tasks: shipped datasets, users' data formats, rewards and verifiers."""

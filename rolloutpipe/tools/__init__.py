@@ -1,0 +1,1 @@
+"""Operator tools: tail, status, dead letters, reports and timelines."""

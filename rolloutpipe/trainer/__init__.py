@@ -1,1 +1,0 @@
-"""GRPO loss, the version fence, the torch backend and weight publishing."""

@@ -1,1 +1,0 @@
-"""Controller, rollout worker, aggregator, engines and allocation policies."""
