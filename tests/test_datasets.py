@@ -19,7 +19,7 @@ import pytest
 
 from rolloutpipe.config import TaskConfig
 from rolloutpipe.errors import ConfigError
-from rolloutpipe.model.lm import HFTextCodec
+from rolloutpipe.model.tokenizer import HFTokenizer
 from rolloutpipe.tasks.datasets import Prompt, load_dataset, task_prompts
 from rolloutpipe.tasks.formats import FORMATS
 
@@ -230,7 +230,7 @@ class _ChatTokenizer:
 
 
 def test_a_conversation_goes_through_the_chat_template_whole() -> None:
-    codec = HFTextCodec.__new__(HFTextCodec)
+    codec = HFTokenizer.__new__(HFTokenizer)
     codec.tok, codec.chat, codec.eos_token_id = _ChatTokenizer(), True, 9
     conv = ({"role": "system", "content": "be brief"}, {"role": "user", "content": "4+4="})
     codec.encode_prompt("be brief\n4+4=", conv)

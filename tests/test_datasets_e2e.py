@@ -21,7 +21,7 @@ import pytest
 
 from rolloutpipe.broker.codec import iter_events
 from rolloutpipe.broker.events import Group
-from rolloutpipe.model.lm import CharCodec
+from rolloutpipe.model.tokenizer import CharTokenizer
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
@@ -46,7 +46,7 @@ def _trained(out: Path) -> list[Group]:
 
 def _check_rewards(groups: list[Group], answers: dict[str, str], correct_reward: float) -> None:
     """Every sample's reward is its response's first character against the row's answer."""
-    codec, right = CharCodec(), 0
+    codec, right = CharTokenizer(), 0
     for g in groups:
         for s in g.samples:
             prompt = codec.decode(s.prompt_ids)

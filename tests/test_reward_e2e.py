@@ -18,7 +18,7 @@ import redis
 from rolloutpipe.broker.codec import iter_events
 from rolloutpipe.broker.events import Group
 from rolloutpipe.broker.streams import Keys
-from rolloutpipe.model.lm import CharCodec
+from rolloutpipe.model.tokenizer import CharTokenizer
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
@@ -40,7 +40,7 @@ def test_a_run_goes_on_when_the_verifier_hangs(
     assert p.returncode == 0, p.stderr[-3000:]
     groups = [g for g in iter_events((out / "groups.msgpack").read_bytes()) if isinstance(g, Group)]
     assert len(groups) == STEPS * 8  # every step trained
-    codec, sevens, right = CharCodec(), 0, 0
+    codec, sevens, right = CharTokenizer(), 0, 0
     for g in groups:
         for s in g.samples:
             prompt = codec.decode(s.prompt_ids)

@@ -179,12 +179,13 @@ def _make_groups(cfg: Config) -> list[list[list[Group]]]:
     import torch
 
     from rolloutpipe.broker.events import AllocationRecord, FrontierStatus, Sample
-    from rolloutpipe.model.lm import EOS, CharCodec, ensure_model, load_model, response_logprobs
+    from rolloutpipe.model.lm import ensure_model, load_model, response_logprobs
+    from rolloutpipe.model.tokenizer import EOS, CharTokenizer
     from rolloutpipe.rl.grpo import group_advantages
 
     rng = np.random.default_rng(7)
     model = load_model(ensure_model(cfg.model))
-    codec = CharCodec()
+    codec = CharTokenizer()
     steps: list[list[list[Group]]] = []
     gi = 0
     for step, sizes in enumerate(SIZES):
@@ -259,7 +260,8 @@ def _padded_reference(
     import numpy as np
     import torch
 
-    from rolloutpipe.model.lm import PAD, ensure_model, load_model
+    from rolloutpipe.model.lm import ensure_model, load_model
+    from rolloutpipe.model.tokenizer import PAD
 
     tc = cfg.trainer
     torch.manual_seed(tc.seed)

@@ -25,7 +25,7 @@ import numpy as np
 from rolloutpipe.broker.events import PolicyVersion, RolloutRequest
 from rolloutpipe.config import Config
 from rolloutpipe.engines.base import Generation
-from rolloutpipe.model.lm import decode_batch, ensure_model, load_model, sampler, text_codec
+from rolloutpipe.model.lm import decode_batch, ensure_model, load_model, sampler, tokenizer_for
 
 log = logging.getLogger("rolloutpipe.rollout")
 
@@ -50,7 +50,7 @@ class _Slot:
 class TransformersEngine:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.codec = text_codec(cfg.model)
+        self.codec = tokenizer_for(cfg.model)
         self.model: Any = None
         self.queue: list[_Pending] = []
         self._wake = asyncio.Event()

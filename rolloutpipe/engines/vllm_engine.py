@@ -12,7 +12,7 @@
   Under ``fcfs`` (vLLM's default) requests go in with priority 0 and wait in arrival order (vLLM
   0.32 silently ignores a nonzero priority there; vLLM's V0 engine raised ``ValueError``).
 * **Requests.** Prompts go in as token ids (``TokensPrompt``: the tiny model's char ids, BOS
-  first, or ``model.path``'s own tokenizer with its chat template; see ``policy.text_codec``) with
+  first, or ``model.path``'s own tokenizer with its chat template; see ``model.lm.tokenizer_for``) with
   ``skip_tokenizer_init``, one ``SamplingParams`` per request: ``seed=req.seed``, ``temperature``,
   ``max_tokens=req.max_new_tokens`` (a continuation's: below), ``logprobs=0`` (only the sampled
   token's) and ``stop_token_ids=[eos]`` (without a tokenizer vLLM knows no EOS).  The EOS, when
@@ -85,7 +85,7 @@ from rolloutpipe.config import Config
 from rolloutpipe.engines.base import Generation
 from rolloutpipe.engines.vllm_ext import EXTENSION, LOAD_METHOD, REFUSED
 from rolloutpipe.errors import ConfigError, WeightsVerificationError
-from rolloutpipe.model.lm import ensure_model, text_codec
+from rolloutpipe.model.lm import ensure_model, tokenizer_for
 
 log = logging.getLogger("rolloutpipe.rollout")
 
@@ -129,7 +129,7 @@ def _vllm(module: str) -> Any:
 class VllmEngine:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.codec = text_codec(cfg.model)  # the char codec, or a checkpoint's own tokenizer
+        self.codec = tokenizer_for(cfg.model)  # the char codec, or a checkpoint's own tokenizer
         self.llm: Any = None
         self._ids = itertools.count()
         self._runs: dict[str, list[_Run]] = {}  # req.request_id -> its generate calls under way

@@ -1,4 +1,4 @@
-"""The tiny Qwen3-architecture policy: built locally (no download), loaded, scored.
+"""The model: the tiny Qwen3 architecture built locally (no download), loaded, sampled and scored.
 
 Shared by the ``transformers`` rollout engine and the torch trainer so that both compute
 behaviour logprobs the same way.  torch and transformers are imported lazily: roles that
@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -20,100 +20,35 @@ import numpy as np
 
 from rolloutpipe.config import ModelConfig
 from rolloutpipe.errors import ConfigError
+from rolloutpipe.model.tokenizer import (
+    BOS,
+    EOS,
+    PAD,
+    VOCAB,
+    CharTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    build_tokenizer,
+)
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("rolloutpipe.model")
 
-VOCAB = ["<pad>", "<bos>", "<eos>", *"0123456789", *"+=-* "]  # 18 tokens, char level
-PAD, BOS, EOS = 0, 1, 2
-
-
-def build_tokenizer() -> Any:
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
-        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
-    )
-
 
 class PickToken(Protocol):
     def __call__(self, i: int, t: int, last: torch.Tensor) -> tuple[int, float]: ...
 
 
-class TextCodec(Protocol):
-    """Prompt text -> token ids (BOS/chat template included); response ids -> text.
-
-    ``messages`` (a dataset's prompt as a conversation, ``tasks/formats.py``) go through the chat
-    template where the codec has one; ``text`` (their contents) is what a codec without one encodes.
-    """
-
-    eos_token_id: int
-
-    def encode_prompt(self, text: str, messages: Sequence[Mapping[str, str]] = ()) -> np.ndarray: ...
-
-    def decode(self, ids: np.ndarray) -> str: ...
-
-
-class CharCodec:
-    """Fast encode/decode for the char vocabulary (same ids as the saved tokenizer)."""
-
-    eos_token_id = EOS
-
-    def __init__(self) -> None:
-        self.ids = {t: i for i, t in enumerate(VOCAB)}
-
-    def encode_prompt(self, text: str, messages: Sequence[Mapping[str, str]] = ()) -> np.ndarray:
-        try:
-            return np.asarray([BOS] + [self.ids[c] for c in text], dtype=np.int32)
-        except KeyError as e:
-            raise ValueError(f"character {e.args[0]!r} is not in the vocabulary") from e
-
-    def decode(self, ids: np.ndarray) -> str:
-        return "".join(VOCAB[int(i)] for i in ids if int(i) > EOS)
-
-
-class HFTextCodec:
-    """A real checkpoint's own tokenizer (``model.path``), with its chat template if it has one."""
-
-    def __init__(self, path: Path, chat_template: bool) -> None:
-        from transformers import AutoTokenizer
-
-        self.tok: Any = AutoTokenizer.from_pretrained(path)
-        self.chat = chat_template and getattr(self.tok, "chat_template", None) is not None
-        eos = self.tok.eos_token_id
-        if eos is None:
-            raise ValueError(f"the tokenizer at {path} has no eos_token_id")
-        self.eos_token_id = int(eos)
-
-    def encode_prompt(self, text: str, messages: Sequence[Mapping[str, str]] = ()) -> np.ndarray:
-        if self.chat:
-            msgs = [dict(m) for m in messages] or [{"role": "user", "content": text}]
-            ids = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in newer transformers
-                ids = ids["input_ids"]
-        else:
-            ids = self.tok(text, add_special_tokens=True)["input_ids"]
-        return np.asarray(ids, dtype=np.int32)
-
-    def decode(self, ids: np.ndarray) -> str:
-        text: str = self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
-        return text
-
-
-def text_codec(cfg: ModelConfig) -> TextCodec:
-    """The char codec for the built tiny model; the checkpoint's tokenizer for ``model.path``."""
+def tokenizer_for(cfg: ModelConfig) -> Tokenizer:
+    """The char tokenizer for the built tiny model; the checkpoint's own tokenizer for ``model.path``."""
     kind = cfg.tokenizer
     if kind == "auto":
         kind = "hf" if cfg.path else "char"
     if kind == "char":
-        return CharCodec()
-    return HFTextCodec(ensure_model(cfg), cfg.chat_template)
+        return CharTokenizer()
+    return HFTokenizer(ensure_model(cfg), cfg.chat_template)
 
 
 def _model_key(cfg: ModelConfig) -> str:
@@ -180,7 +115,7 @@ def warm_start(model: torch.nn.Module, cfg: ModelConfig) -> None:
     data = import_string(ws.dataset)(ws.steps * ws.batch_size, ws.seed, split="train")
     if not data:
         raise ConfigError(f"model.warm_start.dataset {ws.dataset!r} returned no prompts")
-    codec = CharCodec()
+    codec = CharTokenizer()
     torch.manual_seed(ws.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr)
     model.train()

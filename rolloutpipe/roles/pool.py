@@ -37,7 +37,7 @@ from rolloutpipe.engines import make_engine
 from rolloutpipe.errors import ConfigError
 from rolloutpipe.roles.rollout import RolloutWorker, default_worker_id
 from rolloutpipe.runtime import close_client, wait_event
-from rolloutpipe.scheduling import leases as policy
+from rolloutpipe.scheduling import leases
 
 log = logging.getLogger("rolloutpipe.pool")
 
@@ -49,7 +49,7 @@ log = logging.getLogger("rolloutpipe.pool")
 class _Track:
     """What the scheduler remembers of a run between ticks: its phase and when it began."""
 
-    phase: policy.Phase = "waiting"
+    phase: leases.Phase = "waiting"
     since: float = field(default_factory=time.monotonic)
     step_requests: int = 0
     last_train_s: float | None = None
@@ -59,11 +59,11 @@ class _Track:
     plan_total: int = 0
 
 
-async def run_view(r: Any, run: str, track: _Track, now: float) -> policy.RunView:
+async def run_view(r: Any, run: str, track: _Track, now: float) -> leases.RunView:
     """The run's stage from its own keys (read-only), and the phase durations measured so far."""
     k = Keys(run)
     b = Broker(r, run, "pool")
-    phase: policy.Phase
+    phase: leases.Phase
     outstanding = 0
     if await b.is_done():
         phase = "done"
@@ -89,7 +89,7 @@ async def run_view(r: Any, run: str, track: _Track, now: float) -> policy.RunVie
         track.phase, track.since = phase, now
     if track.rollout_began is None and phase in ("waiting", "rollout"):
         track.rollout_began = now
-    return policy.RunView(
+    return leases.RunView(
         run=run,
         phase=phase,
         outstanding=outstanding,
@@ -110,7 +110,7 @@ def switch_horizon(cfg: Config) -> float:
     return 0.5
 
 
-def static_leases(runs: list[str], workers: list[policy.WorkerView]) -> dict[str, str]:
+def static_leases(runs: list[str], workers: list[leases.WorkerView]) -> dict[str, str]:
     """The static split: a worker keeps the run it was first given; a new one joins the run with the
     fewest workers (ties: the earlier run).  N runs on N x k workers: k each, never moved."""
     out = {w.worker: w.run for w in workers if w.run in runs}
@@ -140,7 +140,7 @@ async def run_pool(cfg: Config, url: str, stop: asyncio.Event) -> int:
     pb = Broker(r, pk.run, "pool", maxlen=cfg.redis.maxlen)
     tracks = {run: _Track() for run in pc.runs}
     horizon = switch_horizon(cfg)
-    decide = policy.POLICIES.get(pc.policy)
+    decide = leases.POLICIES.get(pc.policy)
     try:
         while not stop.is_set():
             now = time.monotonic()
@@ -151,7 +151,7 @@ async def run_pool(cfg: Config, url: str, stop: asyncio.Event) -> int:
             members = await pool_workers(r, pk)
             leased = {_s(w): _s(v) for w, v in (await r.hgetall(pk.lease)).items()}
             workers = [
-                policy.WorkerView(wid, leased.get(wid, ""), int(info.get("capacity", 0)))
+                leases.WorkerView(wid, leased.get(wid, ""), int(info.get("capacity", 0)))
                 for wid, info in members
             ]
             if decide is None:

@@ -24,10 +24,11 @@ G = 5
 def make_groups(cfg: Config, step: int, rng: np.random.Generator) -> list[Group]:
     import torch
 
-    from rolloutpipe.model.lm import EOS, CharCodec, ensure_model, load_model, response_logprobs
+    from rolloutpipe.model.lm import ensure_model, load_model, response_logprobs
+    from rolloutpipe.model.tokenizer import EOS, CharTokenizer
 
     model = load_model(ensure_model(cfg.model))
-    codec = CharCodec()
+    codec = CharTokenizer()
     now = time.time()
     out = []
     for gi in range(GROUPS):

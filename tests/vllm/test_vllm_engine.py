@@ -31,7 +31,8 @@ from rolloutpipe.config import Config
 from rolloutpipe.engines import make_engine
 from rolloutpipe.engines.vllm_engine import VllmEngine
 from rolloutpipe.errors import WeightsVerificationError
-from rolloutpipe.model.lm import EOS, CharCodec, ensure_model, load_model, response_logprobs
+from rolloutpipe.model.lm import ensure_model, load_model, response_logprobs
+from rolloutpipe.model.tokenizer import EOS, CharTokenizer
 from rolloutpipe.model.weights import WEIGHTS_FILE, publish_weights
 from tests.conftest import ROOT, make_config
 
@@ -56,7 +57,7 @@ ENGINE = (
     "controller.mode=cgp-fgd",
 )
 PROMPTS = ["1+2=", "7+8=", "3*4=", "9-5="]
-CODEC = CharCodec()
+CODEC = CharTokenizer()
 
 
 def vllm_config(tmp: Path, run: str, model_cache: str) -> Config:

@@ -26,7 +26,8 @@ from rolloutpipe.config import Config
 from rolloutpipe.engines import make_engine
 from rolloutpipe.engines.base import Generation, Preemptible
 from rolloutpipe.engines.vllm_engine import VllmEngine, continuation_seed
-from rolloutpipe.model.lm import EOS, ensure_model
+from rolloutpipe.model.lm import ensure_model
+from rolloutpipe.model.tokenizer import EOS
 from rolloutpipe.model.weights import publish_weights
 from tests.conftest import make_config
 from tests.vllm.test_vllm_engine import ATOL, ENGINE, PROMPTS, Reference, perturbed

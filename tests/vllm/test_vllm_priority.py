@@ -27,7 +27,8 @@ from rolloutpipe.engines import make_engine
 from rolloutpipe.engines.base import Generation
 from rolloutpipe.engines.vllm_engine import MANAGED_ARGS, VllmEngine
 from rolloutpipe.errors import ConfigError
-from rolloutpipe.model.lm import EOS, ensure_model, load_model
+from rolloutpipe.model.lm import ensure_model, load_model
+from rolloutpipe.model.tokenizer import EOS
 from rolloutpipe.model.weights import publish_weights
 from tests.conftest import make_config
 from tests.vllm.test_vllm_engine import ENGINE, PROMPTS, perturbed

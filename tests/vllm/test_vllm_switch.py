@@ -43,7 +43,8 @@ from rolloutpipe.engines.base import Generation
 from rolloutpipe.engines.vllm_engine import VllmEngine
 from rolloutpipe.engines.vllm_ext import REFUSED
 from rolloutpipe.errors import WeightsVerificationError
-from rolloutpipe.model.lm import EOS, CharCodec, decode_batch, ensure_model, load_model, sampler
+from rolloutpipe.model.lm import decode_batch, ensure_model, load_model, sampler
+from rolloutpipe.model.tokenizer import EOS, CharTokenizer
 from rolloutpipe.model.weights import publish_weights
 from tests.conftest import make_config
 from tests.vllm.test_vllm_engine import ATOL, ENGINE, PROMPTS, corrupt, perturbed, request
@@ -62,7 +63,7 @@ PROMPTS_ALL = [*PROMPTS, LONG]
 N = 16  # response tokens
 VERSION = 3  # both runs' policy version: the engine must not go by the version number
 SAME = 1e-5  # a run's logprobs before and after a round trip
-CODEC = CharCodec()
+CODEC = CharTokenizer()
 
 
 def switch_config(tmp: Path, model_cache: str) -> Config:

@@ -253,7 +253,8 @@ class _Replica:
     def accumulate(self, group: Group) -> None:
         import torch
 
-        from rolloutpipe.model.lm import BOS, engine_logprobs, response_logprobs_entropy
+        from rolloutpipe.model.lm import engine_logprobs, response_logprobs_entropy
+        from rolloutpipe.model.tokenizer import BOS
 
         tc = self.cfg.trainer
         mine = group.samples[self.rank :: self.world]

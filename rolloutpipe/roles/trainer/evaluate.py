@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from rolloutpipe.config import Config
-from rolloutpipe.model.lm import decode_batch, sampler, text_codec
+from rolloutpipe.model.lm import decode_batch, sampler, tokenizer_for
 from rolloutpipe.tasks.datasets import task_prompts
 from rolloutpipe.tasks.reward import ScoreInput, Scorer
 
@@ -24,7 +24,7 @@ class Evaluator:
         ec = cfg.eval
         self.every = ec.every
         prompts = task_prompts(cfg.task, ec.num_prompts, ec.seed, split="eval")
-        self.codec = text_codec(cfg.model)
+        self.codec = tokenizer_for(cfg.model)
         self.scorer = Scorer(cfg.task)  # as the rollout workers score: same pool, same timeout
         n = ec.samples_per_prompt
         self.items = [(p, j) for p in prompts for j in range(n)]
