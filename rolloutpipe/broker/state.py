@@ -65,6 +65,8 @@ class StepState:
         async def publish(self, stream: str, event: Event) -> str: ...
         async def get_event(self, key: str, cls: type[E]) -> E | None: ...
 
+    # ------------------------------------------------ versions, plans, metrics; the run's end
+
     async def version(self) -> PolicyVersion | None:
         return await self.get_event(self.keys.version, PolicyVersion)
 
@@ -146,6 +148,8 @@ class StepState:
     async def is_done(self) -> bool:
         return bool(await self.r.exists(self.keys.done))
 
+    # ------------------------------------------------ requests: released, finished, migrated
+
     async def release(self, step: int, reqs: Sequence[RolloutRequest]) -> None:
         """Requests onto ``requests`` and recorded as released (counter and id set), or neither; once."""
         if not reqs:
@@ -203,6 +207,8 @@ class StepState:
             metrics.BROKER_EVENTS.labels(self.role, "migrations").inc()
         return "" if out == "0" else out
 
+    # ------------------------------------------------ allocations
+
     async def write_allocation(self, alloc: Allocation) -> None:
         """The decision on record (``alloc:k``), its news to the aggregator, and a close mark: together,
         once."""
@@ -220,6 +226,8 @@ class StepState:
     async def closed_groups(self, step: int) -> set[str]:
         """Group ids of ``step`` that were closed or skipped."""
         return {as_str(x) for x in await self.r.smembers(self.keys.closed(step))}
+
+    # ------------------------------------------------ groups: sealed, emitted, consumed
 
     async def seal(self, seal: StepSeal) -> None:
         await self.publish(self.keys.groups, seal)
@@ -281,6 +289,8 @@ class StepState:
         op = self.once(step).sadd(self.keys.consumed(step), list(group_ids))
         await op.xack(self.keys.groups, Groups.TRAINER, list(entry_ids)).execute()
 
+    # ------------------------------------------------ heartbeats
+
     async def heartbeat(self, worker: str, info: dict[str, Any], ttl_s: int) -> None:
         """The worker's TTL key, and its id in the run's ``workers`` registry (no SCAN finds it).
 
@@ -312,6 +322,8 @@ class StepState:
             with contextlib.suppress(ValueError, KeyError, TypeError):
                 total += int(w["capacity"])
         return total
+
+    # ------------------------------------------------ the controller's prompt history
 
     async def prompt_history(self) -> dict[int, list[list[Any]]]:
         raw: Any = await self.r.hgetall(self.keys.prompt_history)
