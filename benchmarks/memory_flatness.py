@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
 from rolloutpipe.broker.codec import DEFAULT_CODEC  # noqa: E402
 from rolloutpipe.broker.embedded import EmbeddedRedis  # noqa: E402
 from rolloutpipe.broker.events import PolicyVersion  # noqa: E402
-from rolloutpipe.broker.streams import Keys  # noqa: E402
+from rolloutpipe.broker.keys import Keys  # noqa: E402
 from rolloutpipe.config import Config, load_config  # noqa: E402
 from rolloutpipe.launch.cluster import run_cluster  # noqa: E402
 

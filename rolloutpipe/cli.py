@@ -118,7 +118,8 @@ def _parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="timeline and per-step pictures plus one HTML page of a run")
     report.add_argument("dir", help="the run's --out directory (metrics.jsonl, timeline.jsonl)")
 
-    from rolloutpipe.tools.ops import STREAMS, stream_name
+    from rolloutpipe.broker.keys import STREAMS
+    from rolloutpipe.tools.ops import stream_name
 
     url_help = "default: $RP_REDIS_URL or redis://127.0.0.1:6379/0"
     tail = sub.add_parser("tail", help="print a run's stream entries as JSON lines (read-only)")
@@ -222,10 +223,11 @@ def _preflight(cfg: Config, url: str) -> None:
             "GRPO learns nothing from it (unless an allocation policy gives groups more samples)"
         )
     if url:
+        from rolloutpipe.broker.connect import connect_sync
         from rolloutpipe.tools import ops
 
         try:
-            r = ops.connect(url)
+            r = connect_sync(url, fail_fast=True)
             try:
                 r.ping()
             finally:
@@ -456,11 +458,12 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_tail(args: argparse.Namespace) -> int:
-    from rolloutpipe.broker.streams import Keys
+    from rolloutpipe.broker.connect import connect_sync
+    from rolloutpipe.broker.keys import Keys
     from rolloutpipe.tools import ops
 
     url = ops.redis_url(args.redis_url)
-    r = ops.connect(url)
+    r = connect_sync(url, fail_fast=True)
     where = ops.Filter(group=args.group, policy_version=args.policy_version, kind=args.kind)
     try:
         exists = ops.stream_exists(r, args.run, args.stream)
@@ -502,10 +505,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     import json
     import time
 
+    from rolloutpipe.broker.connect import connect_sync
     from rolloutpipe.tools import ops
 
     url = ops.redis_url(args.redis_url)
-    r = ops.connect(url)
+    r = connect_sync(url, fail_fast=True)
     try:
         while True:
             try:
@@ -544,10 +548,11 @@ def cmd_dlq(args: argparse.Namespace) -> int:
     """``dlq list|show|replay``: 0 done, 1 some dead letter refused to replay, 2 bad input or no Redis."""
     import json
 
+    from rolloutpipe.broker.connect import connect_sync
     from rolloutpipe.tools import dlq, ops
 
     url = ops.redis_url(args.redis_url)
-    r = ops.connect(url)
+    r = connect_sync(url, fail_fast=True)
     try:
         if args.dlq_cmd == "show":
             print(dlq.render_detail(dlq.detail(dlq.get(r, args.run, args.id))))

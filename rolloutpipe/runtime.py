@@ -1,4 +1,4 @@
-"""Process plumbing shared by every role: logging (configured once), uvloop, signals, stop keys."""
+"""Process plumbing shared by every role: logging (configured once), uvloop, signals, waits, closes."""
 
 from __future__ import annotations
 
@@ -48,22 +48,6 @@ def run_async(main: Callable[[asyncio.Event], Awaitable[int]]) -> int:
         return int(uvloop.run(_wrapped()))
     except ImportError:
         return asyncio.run(_wrapped())
-
-
-async def wait_for_key(
-    r: aioredis.Redis,
-    key: str,
-    stop: asyncio.Event,
-    pred: Callable[[bytes], bool] | None = None,
-    poll_s: float = 0.01,
-) -> bytes | None:
-    """Poll ``key`` until it exists (and satisfies ``pred``); None if ``stop`` is set first."""
-    while not stop.is_set():
-        v: Any = await r.get(key)
-        if v is not None and (pred is None or pred(v)):
-            return bytes(v)
-        await wait_event(stop, poll_s)
-    return None
 
 
 async def wait_event(ev: asyncio.Event, timeout: float) -> bool:

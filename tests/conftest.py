@@ -15,8 +15,9 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from rolloutpipe.broker.connect import connect
 from rolloutpipe.broker.embedded import EmbeddedRedis
-from rolloutpipe.broker.streams import Broker, connect
+from rolloutpipe.broker.streams import Broker
 from rolloutpipe.config import Config, load_config
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,7 +11,7 @@ import redis
 
 from rolloutpipe.broker.codec import DEFAULT_CODEC, iter_events
 from rolloutpipe.broker.events import Group, PolicyVersion, StepMetrics
-from rolloutpipe.broker.streams import Keys
+from rolloutpipe.broker.keys import Keys
 from rolloutpipe.launch.cluster import Cluster
 
 

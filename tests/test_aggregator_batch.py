@@ -19,7 +19,8 @@ import redis.asyncio.client as aclient
 
 from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.events import Group, GroupPlan, PolicyVersion, Sample, StepPlan
-from rolloutpipe.broker.streams import DATA, Broker, Groups
+from rolloutpipe.broker.keys import DATA, Groups
+from rolloutpipe.broker.streams import Broker
 from rolloutpipe.roles.aggregator import Aggregator
 from tests.conftest import EMULATED_FAST, make_config
 

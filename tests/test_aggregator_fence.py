@@ -15,7 +15,8 @@ import numpy as np
 
 from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.events import DeadLetter, GroupPlan, PolicyVersion, Sample, StepPlan
-from rolloutpipe.broker.streams import DATA, Broker, Groups
+from rolloutpipe.broker.keys import DATA, Groups
+from rolloutpipe.broker.streams import Broker
 from rolloutpipe.broker.trim import drop_old_steps
 from rolloutpipe.roles.aggregator import Aggregator
 from tests.conftest import EMULATED_FAST, make_config

@@ -18,7 +18,7 @@ import redis
 
 from rolloutpipe.broker.codec import DEFAULT_CODEC, iter_events
 from rolloutpipe.broker.events import Group, StepPlan
-from rolloutpipe.broker.streams import Keys
+from rolloutpipe.broker.keys import Keys
 from rolloutpipe.launch.cluster import run_cluster
 from tests.conftest import make_config
 

@@ -17,7 +17,7 @@ import redis
 
 from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.events import SCHEMA_VERSION, DeadLetter, StepMetrics
-from rolloutpipe.broker.streams import DATA, Keys
+from rolloutpipe.broker.keys import DATA, Keys
 from rolloutpipe.errors import CodecError
 from rolloutpipe.launch.cluster import Cluster, tail
 from tests.conftest import EMULATED_FAST, make_config

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import redis
 
-from rolloutpipe.broker.streams import Keys
+from rolloutpipe.broker.keys import Keys
 from rolloutpipe.launch.cluster import RoleProc
 from tests.conftest import EMULATED_FAST, make_config
 from tests.helpers import audit_group_log, version

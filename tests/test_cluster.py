@@ -26,15 +26,9 @@ from redis.asyncio.connection import SSLConnection
 from redis.crc import key_slot
 from redis.exceptions import MovedError
 
-from rolloutpipe.broker.streams import (
-    Broker,
-    Keys,
-    cluster_node_url,
-    connect,
-    connect_sync,
-    is_cluster,
-    one_slot,
-)
+from rolloutpipe.broker.connect import cluster_node_url, connect, connect_sync, is_cluster
+from rolloutpipe.broker.keys import Keys, one_slot
+from rolloutpipe.broker.streams import Broker
 from rolloutpipe.broker.trim import trim_run
 from rolloutpipe.errors import CrossSlotError
 from rolloutpipe.tools import ops
@@ -183,7 +177,7 @@ async def test_live_workers_come_from_the_registry_without_scan(
         await b.heartbeat("w0", {"capacity": 4, "t": time.time()}, ttl_s=30)
         assert {m.decode() for m in await r.zrange(k.workers, 0, -1)} == {"w0", "w2"}
         # ``status`` sees the same, through the sync client
-        st = ops.collect_status(ops.connect(url), run_name)
+        st = ops.collect_status(connect_sync(url, fail_fast=True), run_name)
         assert [(w["id"], w["capacity"]) for w in st["workers"]] == [("w0", 4)]
         assert 0 < st["workers"][0]["ttl_s"] <= 30
         assert ops.worker_health(sync, run_name, "w0")[0] == 0

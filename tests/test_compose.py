@@ -30,7 +30,8 @@ import yaml
 from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.embedded import EmbeddedRedis, find_redis_server
 from rolloutpipe.broker.events import Lease
-from rolloutpipe.broker.streams import DATA, MIGRATE_LUA, Keys, pool_keys
+from rolloutpipe.broker.keys import DATA, Keys, pool_keys
+from rolloutpipe.broker.once import MIGRATE_LUA
 from rolloutpipe.cli import ROLES, _parser
 from rolloutpipe.config import load_config
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from rolloutpipe.broker.events import GroupStats
-from rolloutpipe.broker.streams import Broker, Groups
+from rolloutpipe.broker.keys import Groups
+from rolloutpipe.broker.streams import Broker
 from rolloutpipe.roles.controller import Controller
 from tests.conftest import EMULATED_FAST, make_config
 

@@ -21,7 +21,8 @@ import redis
 
 from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.events import GroupPlan, PolicyVersion, RolloutRequest, Sample, StepPlan
-from rolloutpipe.broker.streams import DATA, Broker, Entry, Keys
+from rolloutpipe.broker.keys import DATA, Keys
+from rolloutpipe.broker.streams import Broker, Entry
 from rolloutpipe.roles.aggregator import Aggregator
 from rolloutpipe.tools import dlq
 from tests.conftest import EMULATED_FAST, ROOT, make_config

@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 import redis
 
+from rolloutpipe.broker.connect import connect, retries_for
 from rolloutpipe.broker.embedded import EmbeddedRedis, Supervisor
 from rolloutpipe.broker.events import StepMetrics
-from rolloutpipe.broker.streams import Keys, connect, retries_for
+from rolloutpipe.broker.keys import Keys
 from rolloutpipe.launch.cluster import run_cluster
 from tests.conftest import EMULATED_FAST, make_config
 from tests.helpers import step_metrics, version

@@ -29,7 +29,7 @@ from rolloutpipe.broker.events import (
     StepMetrics,
     StepPlan,
 )
-from rolloutpipe.broker.streams import DATA, Keys
+from rolloutpipe.broker.keys import DATA, Keys
 from rolloutpipe.config import Config
 from rolloutpipe.launch.cluster import Cluster, RoleProc, tail
 from tests.conftest import EMULATED_FAST, make_config

@@ -12,7 +12,7 @@ import redis
 
 from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.events import AllocationRecord, DeadLetter, FrontierStatus, Group, Sample, StepMetrics
-from rolloutpipe.broker.streams import DATA, Keys
+from rolloutpipe.broker.keys import DATA, Keys
 from rolloutpipe.errors import StaleVersionError
 from rolloutpipe.launch.cluster import run_cluster
 from rolloutpipe.roles.trainer.fence import VersionFence

@@ -43,6 +43,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rolloutpipe.broker.codec import DEFAULT_CODEC
+from rolloutpipe.broker.connect import connect
 from rolloutpipe.broker.events import (
     SCHEMA_VERSION,
     Allocation,
@@ -60,7 +61,8 @@ from rolloutpipe.broker.events import (
     StepPlan,
     StepSeal,
 )
-from rolloutpipe.broker.streams import DATA, Broker, Entry, connect
+from rolloutpipe.broker.keys import DATA
+from rolloutpipe.broker.streams import Broker, Entry
 from rolloutpipe.config import Config
 from rolloutpipe.engines.base import Generation
 from rolloutpipe.errors import CodecError

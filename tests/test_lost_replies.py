@@ -27,8 +27,9 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from rolloutpipe.broker import streams
+from rolloutpipe.broker import once
 from rolloutpipe.broker.codec import DEFAULT_CODEC, iter_events
+from rolloutpipe.broker.connect import connect
 from rolloutpipe.broker.embedded import EmbeddedRedis
 from rolloutpipe.broker.events import (
     Allocation,
@@ -45,7 +46,8 @@ from rolloutpipe.broker.events import (
     StepPlan,
     StepSeal,
 )
-from rolloutpipe.broker.streams import DATA, Broker, Entry, Groups, Keys, connect
+from rolloutpipe.broker.keys import DATA, Groups, Keys
+from rolloutpipe.broker.streams import Broker, Entry
 from tests.faultproxy import FaultProxy
 
 RUN_ID = "x"  # placeholder; each test has its own run name
@@ -61,9 +63,9 @@ async def proxy(redis_server: EmbeddedRedis) -> AsyncIterator[FaultProxy]:
 async def faulty(proxy: FaultProxy, run_name: str, ar: aioredis.Redis) -> AsyncIterator[Broker]:
     """A broker whose client goes through the proxy (its scripts already loaded: a first EVALSHA's
     NOSCRIPT reply is not the reply under test)."""
-    for name in dir(streams):
+    for name in dir(once):
         if name.endswith("_LUA"):
-            await ar.script_load(getattr(streams, name))
+            await ar.script_load(getattr(once, name))
     r = connect(proxy.url)
     yield Broker(r, run_name, "test")
     await r.aclose()
@@ -532,4 +534,4 @@ async def test_a_second_call_is_not_a_replay(broker: Broker, ar: aioredis.Redis)
     assert await broker.finished(0) == 1 and await ar.xlen(k.dlq) == 1
     await broker.incr("trim_errors")
     (op,) = [key async for key in ar.scan_iter(match=k.op("*"))]
-    assert 0 < await ar.ttl(op) <= streams.OP_TTL_S
+    assert 0 < await ar.ttl(op) <= once.OP_TTL_S

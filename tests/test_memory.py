@@ -14,7 +14,8 @@ import redis.asyncio as aioredis
 
 from benchmarks.memory_flatness import Sample, measure
 from rolloutpipe.broker.events import GroupPlan, RolloutRequest, StepPlan
-from rolloutpipe.broker.streams import Broker, Keys
+from rolloutpipe.broker.keys import Keys
+from rolloutpipe.broker.streams import Broker
 from rolloutpipe.broker.trim import drop_old_steps, needed_from, trim_run
 from rolloutpipe.roles.controller import Controller
 from tests.conftest import EMULATED_FAST, make_config

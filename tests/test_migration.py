@@ -19,7 +19,8 @@ import redis
 
 from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.events import RolloutRequest, Sample
-from rolloutpipe.broker.streams import DATA, Broker, Groups, Keys
+from rolloutpipe.broker.keys import DATA, Groups, Keys
+from rolloutpipe.broker.streams import Broker
 from rolloutpipe.config import Config, EmulatedEngineConfig, MigrationConfig
 from rolloutpipe.engines.emulated import EmulatedEngine
 from rolloutpipe.launch.cluster import Cluster
@@ -171,7 +172,7 @@ def _sample(run: str, req: RolloutRequest) -> Sample:
 
 
 async def test_migrate_resent_after_a_lost_reply_applies_once(broker: Broker) -> None:
-    from rolloutpipe.broker.streams import MIGRATE_LUA
+    from rolloutpipe.broker.once import MIGRATE_LUA
 
     k = broker.keys
     await broker.ensure_group(k.requests, Groups.ROLLOUT)

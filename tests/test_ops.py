@@ -25,8 +25,9 @@ import pytest
 import redis
 
 from rolloutpipe.broker.codec import DEFAULT_CODEC
+from rolloutpipe.broker.connect import connect_sync
 from rolloutpipe.broker.events import DeadLetter, GroupPlan, PolicyVersion, Sample, StepPlan
-from rolloutpipe.broker.streams import DATA, Keys
+from rolloutpipe.broker.keys import DATA, Keys
 from rolloutpipe.launch.cluster import Cluster, tail
 from rolloutpipe.tools import ops
 from tests.conftest import EMULATED_FAST, ROOT, make_config
@@ -98,7 +99,7 @@ def _version(sr: redis.Redis, keys: Keys) -> int:
 
 def _tail(url: str, run: str, stream: str, **kw: Any) -> list[dict[str, Any]]:
     buf = io.StringIO()
-    r = ops.connect(url)
+    r = connect_sync(url, fail_fast=True)
     try:
         ops.tail(r, run, stream, buf, **kw)
     finally:
@@ -146,7 +147,7 @@ def test_tail_decodes_requests_samples_and_groups_with_their_frontier(live: Live
         assert all(s["policy_version"] == g["policy_version"] == g["step"] for s in g["samples"])
 
     buf = io.StringIO()
-    r = ops.connect(live.url)
+    r = connect_sync(live.url, fail_fast=True)
     ops.tail(r, live.run, "groups", buf, n=3, pretty=True)
     r.close()
     lines = buf.getvalue().splitlines()
@@ -182,7 +183,7 @@ def test_tail_filters_by_group_policy_version_and_kind(live: Live) -> None:
 
 
 def test_status_of_a_live_run(live: Live) -> None:
-    r = ops.connect(live.url)
+    r = connect_sync(live.url, fail_fast=True)
     try:
         st = ops.collect_status(r, live.run)
     finally:
@@ -241,7 +242,7 @@ def test_tail_never_joins_a_group_nor_leaves_pending_entries(
     assert before[0][0]["pending"] == 2 and before[0][0]["lag"] == 4
 
     buf = io.StringIO()
-    r = ops.connect(redis_url)
+    r = connect_sync(redis_url, fail_fast=True)
     reads = 0
 
     def stop() -> bool:
@@ -268,7 +269,7 @@ def test_tail_never_joins_a_group_nor_leaves_pending_entries(
 
 def test_status_pins_lag_pending_frontier_and_health(sr: redis.Redis, redis_url: str, run_name: str) -> None:
     k = Keys(run_name)
-    r = ops.connect(redis_url)
+    r = connect_sync(redis_url, fail_fast=True)
     assert ops.health(ops.collect_status(r, run_name))[0] == 2  # nothing of this run yet
 
     old = time.time() - 900

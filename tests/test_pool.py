@@ -13,7 +13,7 @@ import redis
 
 from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.events import Group, Lease, StepPlan
-from rolloutpipe.broker.streams import DATA, Keys, pool_keys
+from rolloutpipe.broker.keys import DATA, Keys, pool_keys
 from rolloutpipe.config import Config
 from rolloutpipe.launch.pool import run_pool
 from rolloutpipe.scheduling.leases import RunView, WorkerView, assign, greedy, lookahead, shares

@@ -34,7 +34,8 @@ from rolloutpipe.broker.events import (
     StepMetrics,
     StepPlan,
 )
-from rolloutpipe.broker.streams import DATA, Broker, Keys
+from rolloutpipe.broker.keys import DATA, Keys
+from rolloutpipe.broker.streams import Broker
 from rolloutpipe.config import Config
 from rolloutpipe.roles.controller import Controller
 from rolloutpipe.roles.trainer import checkpoint

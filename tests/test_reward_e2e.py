@@ -17,7 +17,7 @@ import redis
 
 from rolloutpipe.broker.codec import iter_events
 from rolloutpipe.broker.events import Group
-from rolloutpipe.broker.streams import Keys
+from rolloutpipe.broker.keys import Keys
 from rolloutpipe.model.tokenizer import CharTokenizer
 from tests.conftest import ROOT
 

@@ -34,7 +34,7 @@ import redis
 
 from rolloutpipe.broker.codec import DEFAULT_CODEC, iter_events
 from rolloutpipe.broker.events import Group, GroupPlan, StepPlan
-from rolloutpipe.broker.streams import DATA, Keys
+from rolloutpipe.broker.keys import DATA, Keys
 from rolloutpipe.config import Config
 from rolloutpipe.launch.cluster import Cluster, run_cluster
 from tests.conftest import make_config

@@ -19,7 +19,8 @@ import redis.asyncio as aioredis
 
 from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.events import Allocation, DeadLetter, GroupPlan, PolicyVersion, Sample, StepPlan
-from rolloutpipe.broker.streams import DATA, Broker, Groups, Keys, shard_of
+from rolloutpipe.broker.keys import DATA, Groups, Keys, shard_of
+from rolloutpipe.broker.streams import Broker
 from rolloutpipe.broker.trim import trim_streams
 from rolloutpipe.errors import ConfigError
 from rolloutpipe.roles.aggregator import Aggregator

@@ -15,7 +15,8 @@ from redis.exceptions import ResponseError
 from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.embedded import EmbeddedRedis, find_redis_server, ping, server_major_version
 from rolloutpipe.broker.events import DeadLetter, GroupPlan, PolicyVersion, StepPlan
-from rolloutpipe.broker.streams import DATA, Broker, Entry
+from rolloutpipe.broker.keys import DATA
+from rolloutpipe.broker.streams import Broker, Entry
 from rolloutpipe.errors import EmbeddedRedisError
 
 GROUP = "g"

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from rolloutpipe.broker.connect import connect, connect_sync
 from rolloutpipe.broker.embedded import find_redis_server, free_port
-from rolloutpipe.broker.streams import connect, connect_sync
 from tests.conftest import EMULATED_FAST, ROOT
 
 

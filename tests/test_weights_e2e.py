@@ -22,7 +22,7 @@ import redis
 
 from rolloutpipe.broker.codec import iter_events
 from rolloutpipe.broker.events import Group
-from rolloutpipe.broker.streams import Keys
+from rolloutpipe.broker.keys import Keys
 from rolloutpipe.launch.cluster import Cluster
 from rolloutpipe.model.weights import WEIGHTS_FILE, sha256_file
 

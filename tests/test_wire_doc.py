@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from rolloutpipe.broker import events
 from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.events import SCHEMA_VERSION, Event, Float32Array, Int32Array
-from rolloutpipe.broker.streams import Keys
+from rolloutpipe.broker.keys import POOL_STREAMS, STREAMS, Keys
 from rolloutpipe.errors import CodecError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -147,6 +147,13 @@ def test_the_docs_key_table_is_the_keys_class() -> None:
     in_code, in_doc = _keys_in_code(), _keys_in_doc()
     assert {"done", "stats", "finished:{k}", "released:{k}", "worker:{id}", "version"} <= in_code
     assert in_doc == in_code, f"only in the doc: {in_doc - in_code}; only in Keys: {in_code - in_doc}"
+
+
+def test_the_stream_names_are_keys_of_the_run() -> None:
+    """``STREAMS`` (what ``tail`` and ``status`` name) are ``Keys`` attributes, each its own key."""
+    k = Keys("RUN")
+    for name in STREAMS + POOL_STREAMS:
+        assert getattr(k, name) == k.prefix + name
 
 
 # ------------------------------------------------------------------ what the doc says about the wire

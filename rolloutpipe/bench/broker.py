@@ -43,9 +43,10 @@ import yaml
 
 from rolloutpipe.bench.paper import CONFIGS
 from rolloutpipe.broker.codec import DEFAULT_CODEC
+from rolloutpipe.broker.connect import cluster_node_url
 from rolloutpipe.broker.embedded import EmbeddedRedis
 from rolloutpipe.broker.events import AllocationRecord, FrontierStatus, Group, Sample
-from rolloutpipe.broker.streams import Groups, Keys, cluster_node_url, run_keys
+from rolloutpipe.broker.keys import Groups, Keys, run_keys
 from rolloutpipe.config import load_config
 from rolloutpipe.errors import ConfigError
 from rolloutpipe.launch.cluster import run_cluster
@@ -256,8 +257,10 @@ def aggregator_capacity(
 
 
 async def _drain(url: str, tokens: int, prompt_tokens: int, group_size: int, groups: int) -> dict[str, float]:
+    from rolloutpipe.broker.connect import connect
     from rolloutpipe.broker.events import GroupPlan, PolicyVersion, StepPlan
-    from rolloutpipe.broker.streams import DATA, Broker, connect
+    from rolloutpipe.broker.keys import DATA
+    from rolloutpipe.broker.streams import Broker
     from rolloutpipe.roles.aggregator import Aggregator
 
     run = f"broker-drain-{uuid.uuid4().hex[:8]}"

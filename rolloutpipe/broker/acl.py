@@ -29,7 +29,7 @@ import secrets
 
 _TX = ["+multi", "+exec", "+discard"]
 _STREAM_CONSUMER = ["+xreadgroup", "+xack", "+xautoclaim", "+xgroup|create"]
-# writes applied at most once (``streams.ONCE_LUA``): the script, and its record of applied writes
+# writes applied at most once (``once.ONCE_LUA``): the script, and its record of applied writes
 _ONCE_KEYS = ["~rp:*:ops:*", "~rp:*:op:*"]
 _ONCE = ["+evalsha", "+eval", "+script|load", "+get", "+set", "+hget", "+hset"]
 

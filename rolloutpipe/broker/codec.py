@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import msgpack
 from pydantic import TypeAdapter, ValidationError
@@ -15,11 +15,6 @@ E = TypeVar("E", bound=Event)
 
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(AnyEvent)
 MAX_EVENT_BYTES = 64 * 1024 * 1024
-
-
-class Codec(Protocol):
-    def encode(self, event: Event) -> bytes: ...
-    def decode(self, data: object) -> Event: ...
 
 
 class MsgpackCodec:

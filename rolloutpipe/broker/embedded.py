@@ -202,7 +202,7 @@ class EmbeddedRedis:
 class Supervisor:
     """Restarts an embedded server that died, on the same port and AOF directory.
 
-    The roles' clients retry through the restart (``streams.connect``) and carry on where the
+    The roles' clients retry through the restart (``connect.connect``) and carry on where the
     replayed AOF leaves them; see docs/operations.md for what a crash can lose.
     """
 

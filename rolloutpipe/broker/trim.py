@@ -28,7 +28,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from rolloutpipe.broker.streams import Groups, Keys
+from rolloutpipe.broker.keys import Groups, Keys, as_str
 
 log = logging.getLogger("rolloutpipe.broker")
 
@@ -46,10 +46,6 @@ MIN_KEEP_STEPS = 2  # the step under way and the one before it (late samples, th
 class TrimResult:
     trimmed: dict[str, int] = field(default_factory=dict)  # stream -> entries removed
     deleted_keys: int = 0
-
-
-def as_str(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def _id(v: Any) -> tuple[int, int]:

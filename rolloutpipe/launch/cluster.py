@@ -17,9 +17,10 @@ from typing import IO, Any
 
 from rolloutpipe.broker import acl
 from rolloutpipe.broker.codec import DEFAULT_CODEC
+from rolloutpipe.broker.connect import connect_sync
 from rolloutpipe.broker.embedded import EmbeddedRedis, Supervisor, find_redis_server, server_major_version
 from rolloutpipe.broker.events import DeadLetter, PolicyVersion, StepMetrics
-from rolloutpipe.broker.streams import Keys, connect_sync
+from rolloutpipe.broker.keys import Keys
 from rolloutpipe.config import Config, TrainerConfig
 from rolloutpipe.errors import CodecError, RequestFailedError, RoleError, VerifierFailedError
 

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from rolloutpipe.broker.codec import DEFAULT_CODEC
+from rolloutpipe.broker.connect import connect_sync
 from rolloutpipe.broker.events import Lease, StepMetrics
-from rolloutpipe.broker.streams import DATA, Keys, connect_sync, pool_keys
+from rolloutpipe.broker.keys import DATA, Keys, pool_keys
 from rolloutpipe.config import Config
 from rolloutpipe.errors import CodecError, RoleError
 from rolloutpipe.launch.cluster import Cluster, tail
@@ -129,7 +130,7 @@ def run_pool(
 
 
 def _heartbeats(r: Any, pk: Keys) -> list[tuple[str, dict[str, Any]]]:
-    from rolloutpipe.broker.streams import live_heartbeats_sync
+    from rolloutpipe.broker.state import live_heartbeats_sync
 
     out = []
     for wid, raw, _ttl in live_heartbeats_sync(r, pk):

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rolloutpipe import metrics
+from rolloutpipe.broker.connect import connect
 from rolloutpipe.broker.events import (
     Allocation,
     AllocationRecord,
@@ -41,7 +42,9 @@ from rolloutpipe.broker.events import (
     Sample,
     StepPlan,
 )
-from rolloutpipe.broker.streams import Broker, Entry, Groups, Once, connect
+from rolloutpipe.broker.keys import Groups
+from rolloutpipe.broker.once import Once
+from rolloutpipe.broker.streams import Broker, Entry
 from rolloutpipe.config import Config
 from rolloutpipe.errors import ConfigError
 from rolloutpipe.rl.grpo import group_advantages

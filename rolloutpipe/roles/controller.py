@@ -24,6 +24,7 @@ import numpy as np
 from redis.exceptions import NoPermissionError, RedisError
 
 from rolloutpipe import metrics
+from rolloutpipe.broker.connect import connect
 from rolloutpipe.broker.events import (
     Allocation,
     GroupPlan,
@@ -34,7 +35,8 @@ from rolloutpipe.broker.events import (
     StepPlan,
     StepSeal,
 )
-from rolloutpipe.broker.streams import Broker, Groups, connect
+from rolloutpipe.broker.keys import Groups
+from rolloutpipe.broker.streams import Broker
 from rolloutpipe.broker.trim import trim_run
 from rolloutpipe.config import Config
 from rolloutpipe.errors import PolicyError

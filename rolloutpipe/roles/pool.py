@@ -30,8 +30,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rolloutpipe import metrics
+from rolloutpipe.broker.connect import connect
 from rolloutpipe.broker.events import Lease
-from rolloutpipe.broker.streams import Broker, Keys, connect, live_heartbeats, pool_keys
+from rolloutpipe.broker.keys import Keys, pool_keys
+from rolloutpipe.broker.state import live_heartbeats
+from rolloutpipe.broker.streams import Broker
 from rolloutpipe.config import Config
 from rolloutpipe.engines import make_engine
 from rolloutpipe.errors import ConfigError

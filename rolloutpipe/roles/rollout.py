@@ -27,8 +27,10 @@ import time
 from collections.abc import Iterable
 
 from rolloutpipe import metrics
+from rolloutpipe.broker.connect import connect
 from rolloutpipe.broker.events import RolloutRequest, Sample
-from rolloutpipe.broker.streams import Broker, Entry, Groups, connect
+from rolloutpipe.broker.keys import Groups
+from rolloutpipe.broker.streams import Broker, Entry
 from rolloutpipe.config import Config
 from rolloutpipe.engines import Engine, make_engine
 from rolloutpipe.engines.base import Generation

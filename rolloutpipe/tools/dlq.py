@@ -32,7 +32,7 @@ from redis.exceptions import ResponseError
 
 from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.events import DeadLetter, Event, Group, PolicyVersion, RolloutRequest, Sample
-from rolloutpipe.broker.streams import DATA, Keys, one_slot
+from rolloutpipe.broker.keys import DATA, Keys, one_slot
 from rolloutpipe.errors import CodecError, RolloutPipeError
 from rolloutpipe.tools.ops import PAGE, compact
 

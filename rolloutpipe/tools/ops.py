@@ -44,21 +44,11 @@ from rolloutpipe.broker.events import (
     StepPlan,
     StepSeal,
 )
-from rolloutpipe.broker.streams import (
-    DATA,
-    Groups,
-    Keys,
-    cluster_node_url,
-    connect_sync,
-    lag_of,
-    live_heartbeats_sync,
-    pool_keys,
-    run_keys,
-)
+from rolloutpipe.broker.keys import DATA, POOL_STREAMS, STREAMS, Groups, Keys, pool_keys, run_keys
+from rolloutpipe.broker.state import live_heartbeats_sync
+from rolloutpipe.broker.streams import lag_of
 from rolloutpipe.errors import CodecError
 
-STREAMS = ("requests", "samples", "groups", "control", "feedback", "dlq")
-POOL_STREAMS = ("leases",)  # a shared pool's (``--run pool:NAME``): every change of a worker's run
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 ARRAY_INLINE = 16
 ARRAY_HEAD = 8
@@ -83,14 +73,6 @@ def redis_failure(url: str, e: Exception) -> str:
     if isinstance(e, REDIS_DOWN) and not isinstance(e, AuthenticationError):  # (a ConnectionError)
         return f"cannot reach Redis at {redact(url)}: {e}"
     return f"Redis at {redact(url)} refused: {type(e).__name__}: {e}"
-
-
-def connect(url: str) -> redis.Redis:
-    """A sync client: fails fast when Redis is down, never times out a blocking ``XREAD``
-    (``redis+cluster://``: a cluster client that retries nothing)."""
-    if cluster_node_url(url) is not None:
-        return connect_sync(url, retry_s=0, socket_connect_timeout=3, socket_timeout=None)
-    return redis.Redis.from_url(url, socket_connect_timeout=3)
 
 
 def stream_key(keys: Keys, stream: str) -> str:

@@ -36,7 +36,7 @@ import redis
 
 from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.events import GroupPlan, StepPlan
-from rolloutpipe.broker.streams import DATA, Keys
+from rolloutpipe.broker.keys import DATA, Keys
 from rolloutpipe.config import Config
 from tests.conftest import ROOT, make_config
 from tests.deepspeed.ds_groups import GPM, GROUPS, G, make_groups, minibatches

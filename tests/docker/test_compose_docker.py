@@ -41,7 +41,7 @@ import pytest
 import redis
 import yaml
 
-from rolloutpipe.broker.streams import Keys
+from rolloutpipe.broker.keys import Keys
 from rolloutpipe.config import load_config
 from tests.conftest import ROOT, _ci
 from tests.helpers import audit_group_log, version

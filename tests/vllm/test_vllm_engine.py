@@ -26,7 +26,7 @@ import torch
 
 from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.events import PolicyVersion, RolloutRequest, Sample
-from rolloutpipe.broker.streams import DATA, Keys
+from rolloutpipe.broker.keys import DATA, Keys
 from rolloutpipe.config import Config
 from rolloutpipe.engines import make_engine
 from rolloutpipe.engines.vllm_engine import VllmEngine

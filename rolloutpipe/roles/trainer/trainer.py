@@ -27,8 +27,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rolloutpipe import metrics
+from rolloutpipe.broker.connect import connect
 from rolloutpipe.broker.events import Group, PolicyVersion, StepMetrics, StepPlan, StepSeal
-from rolloutpipe.broker.streams import Broker, Entry, Groups, connect
+from rolloutpipe.broker.keys import Groups
+from rolloutpipe.broker.streams import Broker, Entry
 from rolloutpipe.config import Config, mode_label
 from rolloutpipe.errors import ConfigError, StaleVersionError
 from rolloutpipe.roles.trainer import checkpoint
