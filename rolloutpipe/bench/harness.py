@@ -4,7 +4,8 @@ Every suite used to repeat the same frame: start an embedded Redis unless ``--re
 draw a progress bar on stderr, stop both in a ``finally``, and write ``results.json`` and
 ``results.md`` next to a line saying where they are.  :func:`session` and :func:`write_results`
 are that frame, written once.  :func:`register` records a suite; :func:`lookup` finds the suite
-that ``--suite NAME`` selects and checks the CLI flags it was given.
+that ``--suite NAME`` selects; :func:`run_suite` (the ``bench`` command) checks the CLI flags it
+was given against the suite's ``refuses``, then runs it.
 
 Adding a suite is one file, ``rolloutpipe/bench/<name>.py``::
 
@@ -16,6 +17,7 @@ Adding a suite is one file, ``rolloutpipe/bench/<name>.py``::
                 s.label(f"row {i}")
                 ...  # real runs on ``s.url``
                 s.advance()
+        text = "| row | ... |"  # the suite's table
         write_results(out, {"suite": "mine", "wall_s": s.wall_s}, text)
         return text, where(out, s.wall_s)
 
@@ -27,10 +29,15 @@ Adding a suite is one file, ``rolloutpipe/bench/<name>.py``::
         refusal="--suite mine takes its settings from configs/bench/mine.yaml",
     ))
 
-:func:`lookup` imports every module of this package (so keep heavy imports of a module inside
-its functions), then asks the suites, lowest ``order`` first, whether ``--suite NAME`` is theirs
-(``selects``; by default: NAME is the suite's name).  The suite that takes every name (``paper``,
-``order`` last) runs ``rolloutpipe bench`` without ``--suite``.
+:func:`lookup` imports every module of this package, suites or not (``bound``, the broker suite's
+``broker_ceiling`` and ``broker_report``, and the tools run as ``python -m rolloutpipe.bench.NAME``:
+``admission_oracle``, ``gpu_calibrate``, ``memory_flatness``), so a module here keeps its heavy
+imports (vLLM, torch) inside its functions.  It then asks the suites, lowest ``order`` first,
+whether ``--suite NAME`` is theirs (``selects``; by default: NAME is the suite's name).  The suite
+that takes every name (``paper``, ``order`` last) runs ``rolloutpipe bench`` without ``--suite``.
+A suite that refuses no flag ignores those it does not read (``allocation``: the positional config
+and ``--scale``), as the CLI always did.  The help of ``bench --suite`` and ``--quick`` in
+``cli.py`` names the suites in words: a new suite adds its name there.
 """
 
 from __future__ import annotations
