@@ -27,8 +27,8 @@ demo: setup
 	$(BIN)/rolloutpipe run configs/digits.yaml --out runs/demo --resume
 
 lint: setup
-	$(BIN)/ruff check rolloutpipe tests benchmarks
-	$(BIN)/ruff format --check rolloutpipe tests benchmarks
+	$(BIN)/ruff check rolloutpipe tests
+	$(BIN)/ruff format --check rolloutpipe tests
 	$(BIN)/mypy
 
 test: lint test-core test-deepspeed test-vllm test-compose

@@ -341,60 +341,14 @@ def _report(table: str, where: str) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from rolloutpipe.bench.allocation import is_allocation_suite, run_allocation
-    from rolloutpipe.bench.broker import is_broker_suite, run_broker
-    from rolloutpipe.bench.paper import run_bench
+    """The suite that ``--suite`` selects (``bench/harness.py``'s registry) checks its flags, then runs."""
+    from rolloutpipe.bench.harness import BenchArgs, run_suite
 
     setup_logging("WARNING", "bench")
-    if args.suite and is_broker_suite(args.suite):
-        if args.overrides or args.steps is not None or args.scale is not None or args.config:
-            raise ConfigError(
-                "--suite broker takes its settings from configs/bench/broker.yaml "
-                "(or a copy given as --suite FILE), not overrides, --steps or --scale"
-            )
-        table, where = run_broker(
-            args.suite, Path(args.out), url=args.redis_url, progress=not args.no_progress, quick=args.quick
-        )
-        return _report(table, where)
-    if args.suite == "multiplex":
-        from rolloutpipe.bench.multiplex import run_multiplex
-
-        if args.config or args.scale is not None or args.steps is not None:
-            raise ConfigError(
-                "--suite multiplex takes its settings from configs/bench/multiplex.yaml and overrides"
-            )
-        table, where = run_multiplex(
-            Path(args.out),
-            args.overrides,
-            url=args.redis_url,
-            progress=not args.no_progress,
-            quick=args.quick,
-        )
-        return _report(table, where)
-    if args.suite and is_allocation_suite(args.suite):
-        extra = [*args.overrides, *([f"controller.steps={args.steps}"] if args.steps is not None else [])]
-        table, where = run_allocation(
-            args.suite,
-            Path(args.out),
-            extra,
-            url=args.redis_url,
-            progress=not args.no_progress,
-            quick=args.quick,
-        )
-        return _report(table, where)
-    if args.quick:
-        raise ConfigError("--quick is for the allocation and broker suites (--suite allocation|broker)")
-    table, where = run_bench(
-        args.config or None,
-        Path(args.out),
-        args.overrides,
-        steps=args.steps,
-        url=args.redis_url,
-        progress=not args.no_progress,
-        suite=args.suite,
-        scale=args.scale,
-    )
-    return _report(table, where)
+    bench = BenchArgs(suite=args.suite, out=Path(args.out), config=args.config,
+                      overrides=list(args.overrides), steps=args.steps, scale=args.scale, url=args.redis_url,
+                      progress=not args.no_progress, quick=args.quick)  # fmt: skip
+    return _report(*run_suite(bench))
 
 
 def cmd_pool(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from benchmarks.memory_flatness import Sample, measure
+from rolloutpipe.bench.memory_flatness import Sample, measure
 from rolloutpipe.broker.events import GroupPlan, RolloutRequest, StepPlan
 from rolloutpipe.broker.keys import Keys
 from rolloutpipe.broker.streams import Broker

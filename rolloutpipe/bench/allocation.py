@@ -20,18 +20,23 @@ Ratios against ``fixed`` are paired by seed (same data, same base model), then a
 from __future__ import annotations
 
 import itertools
-import json
 import statistics
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from rolloutpipe.bench.paper import CONFIGS, flatten
-from rolloutpipe.broker.embedded import EmbeddedRedis
+from rolloutpipe.bench.harness import (
+    CONFIGS,
+    Suite,
+    flatten,
+    register,
+    session,
+    spec_path,
+    where,
+    write_results,
+)
 from rolloutpipe.broker.events import StepMetrics
 from rolloutpipe.config import Config, load_config
 from rolloutpipe.errors import ConfigError
@@ -204,18 +209,14 @@ def base_eval(cfg: Config) -> float:
     return Evaluator(cfg)(load_model(ensure_model(cfg.model), 1))
 
 
-def _spec_path(name: str) -> Path:
-    return Path(name) if name.endswith(".yaml") else CONFIGS / "bench" / f"{name}.yaml"
-
-
 def is_allocation_suite(name: str) -> bool:
     """An allocation suite names ``policies``; the paper suite names ``workloads``."""
-    path = _spec_path(name)
+    path = spec_path(name)
     return path.exists() and "policies" in (yaml.safe_load(path.read_text()) or {})
 
 
 def load_spec(name: str) -> tuple[Path, dict[str, Any]]:
-    path = _spec_path(name)
+    path = spec_path(name)
     if not path.exists():
         raise ConfigError(f"benchmark suite {name!r} not found (looked for {path})")
     spec = yaml.safe_load(path.read_text())
@@ -249,32 +250,16 @@ def run_allocation(
                     f"out={out / name / f'seed{seed}'}", *extra]  # fmt: skip
             jobs.append((name, seed, load_config(base, over, environ={})))  # every config checked first
     out.mkdir(parents=True, exist_ok=True)
-    bar: Any = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(jobs), desc="allocation", unit="run", file=sys.stderr)
-    t0 = time.monotonic()
-    er = None if url else EmbeddedRedis().start()
     runs: dict[str, dict[int, dict[str, Any]]] = {n: {} for n in policies}
     base_evals: dict[int, float] = {}
-    try:
+    with session(url, progress=progress, total=len(jobs), desc="allocation") as s:
         for name, seed, cfg in jobs:
-            if bar is not None:
-                bar.set_postfix_str(f"{name} seed {seed}")
+            s.label(f"{name} seed {seed}")
             if seed not in base_evals:
                 base_evals[seed] = base_eval(cfg)
-            ms = run_cluster(
-                cfg, url or (er.url if er else ""), Path(cfg.out), progress=False, timeout_s=3600
-            )
+            ms = run_cluster(cfg, s.url, Path(cfg.out), progress=False, timeout_s=3600)
             runs[name][seed] = {"curve": curve(ms, base_evals[seed]), "metrics": ms}
-            if bar is not None:
-                bar.update(1)
-    finally:
-        if er is not None:
-            er.stop()
-        if bar is not None:
-            bar.close()
+            s.advance()
     cfg0 = jobs[0][2]
     doc: dict[str, Any] = {
         "suite": "allocation" + (" --quick" if quick else ""),
@@ -287,9 +272,23 @@ def run_allocation(
         "base_eval_reward": base_evals,
         **summarise(runs, float(spec["target"])),
     }
-    doc["wall_s"] = time.monotonic() - t0
-    (out / "results.json").write_text(json.dumps(doc, indent=2))
+    doc["wall_s"] = s.wall_s
     text = table(doc)
-    (out / "results.md").write_text(text + "\n")
+    write_results(out, doc, text)
     png = plot(doc, out / "allocation.png")
-    return text, f"results: {out / 'results.json'}, {out / 'results.md'}, {png} ({doc['wall_s']:.0f} s)"
+    return text, where(out, doc["wall_s"], png)
+
+
+register(
+    Suite(
+        name="allocation",
+        # --steps is one more override; the positional config and --scale are not read (as before)
+        run=lambda a: run_allocation(
+            a.suite, a.out, [*a.overrides, *([f"controller.steps={a.steps}"] if a.steps is not None else [])],
+            url=a.url, progress=a.progress, quick=a.quick,
+        ),
+        config=CONFIGS / "bench" / "allocation.yaml",
+        selects=lambda name: bool(name) and is_allocation_suite(name),
+        order=30,
+    )
+)  # fmt: skip

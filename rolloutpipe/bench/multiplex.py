@@ -20,15 +20,22 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from rolloutpipe.bench.paper import CONFIGS, flatten, interval
-from rolloutpipe.broker.embedded import EmbeddedRedis
+from rolloutpipe.bench.harness import (
+    CONFIGS,
+    Suite,
+    flatten,
+    register,
+    session,
+    spec_path,
+    where,
+    write_results,
+)
+from rolloutpipe.bench.paper import interval
 from rolloutpipe.config import load_config
 from rolloutpipe.errors import ConfigError
 from rolloutpipe.launch.pool import PoolRun, run_pool
@@ -158,7 +165,7 @@ def run_multiplex(
     out: Path, overrides: list[str], *, url: str = "", progress: bool = True, quick: bool = False
 ) -> tuple[str, str]:
     """Run the suite (``configs/bench/multiplex.yaml``); returns the table and where the results are."""
-    path = CONFIGS / "bench" / "multiplex.yaml"
+    path = spec_path("multiplex")
     spec = load(path)
     base = path.parent / spec["hardware"]
     common = [*flatten(yaml.safe_load((path.parent / spec["workload"]).read_text()) or {}),
@@ -170,19 +177,12 @@ def run_multiplex(
     per_run = int(spec["workers_per_run"])
     load_config(base, common, environ={})  # fail fast on a bad config
     out.mkdir(parents=True, exist_ok=True)
-    bar: Any = None
-    if progress:
-        from tqdm import tqdm
-
-        total = len(run_modes) * len(counts) * repeats * len(modes)
-        bar = tqdm(total=total, desc="multiplex", unit="run", file=sys.stderr)
-    t0 = time.monotonic()
-    er = None if url else EmbeddedRedis().start()
-    redis_url = url or (er.url if er else "")
+    total = len(run_modes) * len(counts) * repeats * len(modes)
     results: dict[str, Any] = {"suite": "multiplex", "config": spec, "by_runs": {}}
     by_n: dict[str, dict[str, Any]] = {}
     tables = []
-    try:
+    with session(url, progress=progress, total=total, desc="multiplex") as sess:
+        redis_url = sess.url
         for rm, n in [(rm, n) for rm in run_modes for n in counts]:
             key = f"{rm}-{n}runs"
             workers = per_run * n
@@ -199,15 +199,13 @@ def run_multiplex(
                                            f"run={run}", f"out={out / tag / run}"], environ={})
                         for run in runs
                     ]  # fmt: skip
-                    if bar is not None:
-                        bar.set_postfix_str(tag)
+                    sess.label(tag)
                     res = run_pool(cfgs, redis_url, out / tag, pool, workers)
                     s = summarise(res, workers)
                     s["runs"] = {name: s["runs"][run] for name, run in zip(names, runs, strict=True)}
                     s["leases"] = [x.model_dump(mode="json") for x in res.leases]
                     reps[mode].append(s)
-                    if bar is not None:
-                        bar.update(1)
+                    sess.advance()
             agg = aggregate(reps, names)
             by_n[key] = agg
             results["by_runs"][key] = {"run_mode": rm, "runs": n, "workers": workers, "modes": agg,
@@ -222,11 +220,6 @@ def run_multiplex(
                 results["by_runs"][key]["timeline_png"] = str(png)
             except ImportError:
                 pass
-    finally:
-        if er is not None:
-            er.stop()
-        if bar is not None:
-            bar.close()
     first = f"{run_modes[0]}-{counts[0]}runs"
     head = by_n[first]
     shared_sps = head[SHARED]["samples_per_s"]["mean"] if SHARED in head else None
@@ -237,8 +230,19 @@ def run_multiplex(
               "static_r2t": head["static"]["runs"][run]["r2t"]["mean"]}
         for run in head["static"]["runs"]
     }  # fmt: skip
-    results["wall_s"] = time.monotonic() - t0
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    results["wall_s"] = sess.wall_s
     text = "\n\n".join([*tables, targets(by_n)])
-    (out / "results.md").write_text(text + "\n")
-    return text, f"results: {out / 'results.json'}, {out / 'results.md'} ({results['wall_s']:.0f} s)"
+    write_results(out, results, text, default=str)
+    return text, where(out, results["wall_s"])
+
+
+register(
+    Suite(
+        name="multiplex",
+        run=lambda a: run_multiplex(a.out, a.overrides, url=a.url, progress=a.progress, quick=a.quick),
+        config=CONFIGS / "bench" / "multiplex.yaml",
+        refuses=frozenset({"config", "scale", "steps"}),
+        refusal="--suite multiplex takes its settings from configs/bench/multiplex.yaml and overrides",
+        order=20,
+    )
+)

@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -23,29 +21,25 @@ from typing import Any
 import yaml
 
 from rolloutpipe.bench.bound import Bound, EngineModel, TrainerModel, r2t_bound, wait_ratio_bound
-from rolloutpipe.broker.embedded import EmbeddedRedis
+from rolloutpipe.bench.harness import (
+    CONFIGS,
+    Suite,
+    flatten,
+    register,
+    session,
+    spec_path,
+    where,
+    write_results,
+)
 from rolloutpipe.broker.events import StepMetrics
 from rolloutpipe.config import Config, load_config
 from rolloutpipe.errors import ConfigError
 from rolloutpipe.launch.cluster import run_cluster
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_CONFIG = CONFIGS / "bench-quick.yaml"
 KEYS = ("rollout_to_train_end_s", "trainer_wait_ratio", "first_group_s", "dispatch_latency_p50_s",
         "dispatch_latency_p99_s", "admission_latency_p50_s", "rollout_makespan_s", "last_minibatch_train_s",
         "last_group_train_s", "train_busy_s")  # fmt: skip
-
-
-def flatten(d: dict[str, Any], prefix: str = "") -> list[str]:
-    """``{"a": {"b": 1}}`` -> ``["a.b=1"]`` (config overrides)."""
-    out: list[str] = []
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out += flatten(v, key + ".")
-        else:
-            out.append(f"{key}={json.dumps(v) if not isinstance(v, str) else v}")
-    return out
 
 
 # Each mode of the bench: its config overrides.  sync/cgp/cgp-fgd are the paper's presets; the rest
@@ -277,7 +271,7 @@ def run_setting(
 
 
 def load_suite(name: str) -> tuple[Path, list[tuple[str, list[str]]], tuple[str, ...]]:
-    path = Path(name) if name.endswith(".yaml") else CONFIGS / "bench" / f"{name}.yaml"
+    path = spec_path(name)
     if not path.exists():
         raise ConfigError(f"benchmark suite {name!r} not found (looked for {path})")
     spec = yaml.safe_load(path.read_text())
@@ -321,27 +315,27 @@ def run_bench(
         settings = [("quick", extra)]
     load_config(base, settings[0][1], environ={})  # fail fast on a bad config, before any process starts
     out.mkdir(parents=True, exist_ok=True)
-    bar: Any = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(settings) * len(modes), desc="bench", unit="run", file=sys.stderr)
-    t0 = time.monotonic()
-    er = None if url else EmbeddedRedis().start()
     results = []
-    try:
+    with session(url, progress=progress, total=len(settings) * len(modes), desc="bench") as s:
         for name, over in settings:
-            if bar is not None:
-                bar.set_postfix_str(name)
-            results.append(run_setting(name, over, base, url or (er.url if er else ""), out, bar, modes))
-    finally:
-        if er is not None:
-            er.stop()
-        if bar is not None:
-            bar.close()
-    doc = {"suite": suite or "quick", "wall_s": time.monotonic() - t0,
-           "settings": results}  # fmt: skip
-    (out / "results.json").write_text(json.dumps(doc, indent=2))
+            s.label(name)
+            results.append(run_setting(name, over, base, s.url, out, s, modes))
+    wall_s = s.wall_s
+    doc = {"suite": suite or "quick", "wall_s": wall_s, "settings": results}
     text = mode_table(results[0]) if len(results) == 1 else suite_table(results)
-    (out / "results.md").write_text(text + "\n")
-    return text, f"results: {out / 'results.json'}, {out / 'results.md'} ({doc['wall_s']:.0f} s)"
+    write_results(out, doc, text)
+    return text, where(out, wall_s)
+
+
+register(
+    Suite(
+        name="paper",
+        run=lambda a: run_bench(a.config or None, a.out, a.overrides, steps=a.steps, url=a.url,
+                                progress=a.progress, suite=a.suite, scale=a.scale),
+        config=DEFAULT_CONFIG,
+        refuses=frozenset({"quick"}),
+        refusal="--quick is for the allocation and broker suites (--suite allocation|broker)",
+        selects=lambda name: True,  # the paper suite, any other suite file, or none: the quick setting
+        order=100,
+    )
+)  # fmt: skip

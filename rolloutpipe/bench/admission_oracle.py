@@ -12,19 +12,23 @@ version measured each windowed schedule against its own, longer makespan, which 
 window.)  The last column is the achievable cut from the true bound (``rolloutpipe/bench/bound.py``).
 The trainer is the one in configs/bench/hardware.yaml: one pass a token at 34k tokens/s, 10 ms a
 group, 30 ms an optimizer step.
-Run: .venv/bin/python benchmarks/admission_oracle.py
+Run: .venv/bin/python -m rolloutpipe.bench.admission_oracle
 """
 
+from __future__ import annotations
+
 import math
-import sys
-from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+Lengths = npt.NDArray[Any]  # (groups, samples) response lengths, integers
+Times = npt.NDArray[np.float64]  # one per group
+Order = list[tuple[int, int]]  # (group, sample) in admission order
 
 
-def lengths(B, G, median, sigma, cap, share, seed):
+def lengths(B: int, G: int, median: float, sigma: float, cap: int, share: float, seed: int) -> Lengths:
     r = np.random.default_rng(seed)
     zp = r.standard_normal(B)[:, None]
     zs = r.standard_normal((B, G))
@@ -32,7 +36,8 @@ def lengths(B, G, median, sigma, cap, share, seed):
     return np.minimum(np.maximum(1, np.round(np.exp(math.log(median) + sigma * z))), cap).astype(int)
 
 
-def simulate(L, order, engines=2, slots=256, a=0.006, c=0.00008):
+def simulate(L: Lengths, order: Order, engines: int = 2, slots: int = 256, a: float = 0.006,
+             c: float = 0.00008) -> Times:  # fmt: skip
     """Admission in ``order`` (a list of (group, sample)) into free slots, one global queue (late
     binding).  Returns each group's completion time (prefill ignored: <1% of a step here)."""
     return simulate_window(L, None, None, engines, slots, a, c, order=order)
@@ -41,7 +46,7 @@ def simulate(L, order, engines=2, slots=256, a=0.006, c=0.00008):
 TRAINER = {"tps": 34000.0, "call": 0.01, "opt": 0.03, "prompt": 256}
 
 
-def trainer_end(done_at, L, gpm):
+def trainer_end(done_at: Times, L: Lengths, gpm: int) -> tuple[float, float, Times]:
     """Groups trained in completion order, an optimizer step after every gpm; returns the end, the
     total training and each group's training time."""
     order = np.argsort(done_at, kind="stable")
@@ -52,40 +57,43 @@ def trainer_end(done_at, L, gpm):
         if (i + 1) % gpm == 0 or i + 1 == len(order):
             t += TRAINER["opt"]
     total = work.sum() + math.ceil(len(order) / gpm) * TRAINER["opt"]
-    return t, total, work
+    return t, float(total), work
 
 
-def bound(L, gpm, engines=2, slots=256, a=0.006, c=0.00008):
+def bound(
+    L: Lengths, gpm: int, engines: int = 2, slots: int = 256, a: float = 0.006, c: float = 0.00008
+) -> float:
     from rolloutpipe.bench.bound import EngineModel, TrainerModel, r2t_bound
 
     eng = EngineModel(engines, slots, a, c, 0.0)
     tr = TrainerModel(TRAINER["tps"], 1.0, TRAINER["call"], TRAINER["opt"], gpm)
-    return r2t_bound([[(TRAINER["prompt"], int(x)) for x in row] for row in L], eng, tr).r2t
+    return r2t_bound([[(int(TRAINER["prompt"]), int(x)) for x in row] for row in L], eng, tr).r2t
 
 
-def orders(L):
+def orders(L: Lengths) -> dict[str, Order]:
     B, G = L.shape
     return {
         "fifo": [(g, s) for g in range(B) for s in range(G)],
-        "lpt": [(g, s) for g in np.argsort(-L.max(1), kind="stable") for s in range(G)],
-        "spt": [(g, s) for g in np.argsort(L.max(1), kind="stable") for s in range(G)],
+        "lpt": [(int(g), s) for g in np.argsort(-L.max(1), kind="stable") for s in range(G)],
+        "spt": [(int(g), s) for g in np.argsort(L.max(1), kind="stable") for s in range(G)],
     }
 
 
-def simulate_window(L, gpm, W, engines=2, slots=256, a=0.006, c=0.00008, order=None):
+def simulate_window(L: Lengths, gpm: int | None, W: int | None, engines: int = 2, slots: int = 256,
+                    a: float = 0.006, c: float = 0.00008, order: Order | None = None) -> Times:  # fmt: skip
     """Groups in ``order`` (default: index order); with a window ``W``, only groups of mini-batch
     < completed_groups // gpm + W are admitted."""
     B, G = L.shape
     group_order = list(dict.fromkeys(g for g, _ in order)) if order else list(range(B))
     nxt = 0  # index into group_order of the next group to admit
-    pending = []  # samples of admitted groups not yet running
-    running = [[] for _ in range(engines)]
+    pending: Order = []  # samples of admitted groups not yet running
+    running: list[list[list[Any]]] = [[] for _ in range(engines)]  # per engine: [tokens left, group]
     t = 0.0
     left = np.full(B, G)
     done_at = np.zeros(B)
     ndone = 0
     while nxt < B or pending or any(running):
-        limit = B if W is None else (ndone // gpm + W) * gpm
+        limit = B if W is None or gpm is None else (ndone // gpm + W) * gpm
         while nxt < B and nxt < limit:
             pending += [(group_order[nxt], s) for s in range(G)]
             nxt += 1

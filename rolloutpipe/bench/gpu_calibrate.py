@@ -7,8 +7,8 @@ its config (vLLM ``load_format="dummy"``: no download, no checkpoint on disk) an
 format of ``configs/bench/hardware.yaml``, with the date, the GPU and the raw measurements in
 comments.
 
-    python benchmarks/gpu_calibrate.py --out configs/bench/hardware-measured.yaml   # ~3-6 min, 1 GPU
-    python benchmarks/gpu_calibrate.py --tiny --out /tmp/hw.yaml                     # CPU smoke run
+    python -m rolloutpipe.bench.gpu_calibrate --out configs/bench/hardware-measured.yaml  # ~3-6 min, 1 GPU
+    python -m rolloutpipe.bench.gpu_calibrate --tiny --out /tmp/hw.yaml                    # CPU smoke run
 
 Each phase runs in its own process so vLLM's memory is released before the trainer measures.
 Needs vllm, torch and transformers (the rollout image has all three).
@@ -79,10 +79,12 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 # ---------------------------------------------------------------------------------------- vLLM phase
 def phase_vllm(a: argparse.Namespace) -> dict[str, Any]:
+    import importlib
     import random
 
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    vllm: Any = importlib.import_module("vllm")  # not a dependency of the core package: no stubs here
+    LLM, SamplingParams = vllm.LLM, vllm.SamplingParams
+    TokensPrompt = importlib.import_module("vllm.inputs").TokensPrompt
 
     kw: dict[str, Any] = {}
     if a.device == "cpu":
@@ -129,8 +131,6 @@ def phase_vllm(a: argparse.Namespace) -> dict[str, Any]:
         rows.append({"batch": bsz, "decode_step_s": step, "prefill_s": t_one, "total_s": t_all})
         print(f"  batch {bsz:4d}: decode step {step * 1e3:8.3f} ms", file=sys.stderr, flush=True)
     base, per_seq = fit_line([float(r["batch"]) for r in rows], [r["decode_step_s"] for r in rows])
-    import vllm
-
     return {
         "vllm_version": vllm.__version__,
         "prefill_per_token_s": prefill_per_token,
@@ -152,7 +152,9 @@ def phase_trainer(a: argparse.Namespace) -> dict[str, Any]:
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[a.dtype]
     cfg = AutoConfig.from_pretrained(a.model_dir)
     with dev:
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+            cfg, dtype=dtype, attn_implementation="sdpa"
+        )
     model.gradient_checkpointing_enable()  # what a 1.7B run with long sequences uses
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
@@ -208,7 +210,7 @@ def hardware_name(device: str) -> str:
 def render_yaml(res: dict[str, Any], a: argparse.Namespace) -> str:
     v, t = res["vllm"], res["trainer"]
     lines = [
-        "# MEASURED by benchmarks/gpu_calibrate.py (not an estimate).",
+        "# MEASURED by rolloutpipe/bench/gpu_calibrate.py (not an estimate).",
         f"# Date: {res['date']}   Hardware: {res['hardware']}   vLLM {v['vllm_version']}, dtype {a.dtype}",
         f"# Model: {res['model']} architecture, random weights (load_format=dummy)",
         f"# Decode measured at {a.context} prompt tokens of context, {a.decode_tokens} new tokens:",
@@ -281,8 +283,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = _args(argv)
     if a.phase:  # child process: one phase, result as JSON
-        res = phase_vllm(a) if a.phase == "vllm" else phase_trainer(a)
-        Path(a.result).write_text(json.dumps(res))
+        one = phase_vllm(a) if a.phase == "vllm" else phase_trainer(a)
+        Path(a.result).write_text(json.dumps(one))
         return 0
     t0 = time.perf_counter()
     res: dict[str, Any] = {"date": _dt.date.today().isoformat(), "model": "tiny" if a.tiny else "Qwen3-1.7B"}
@@ -292,8 +294,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{time.perf_counter() - t0:6.1f}s] measuring {phase} ...", file=sys.stderr, flush=True)
             result = Path(tmp) / f"{phase}.json"
             argv_child = list(argv if argv is not None else sys.argv[1:])
-            cmd = [sys.executable, __file__, *argv_child, "--phase", phase, "--model-dir", str(model_dir)]
-            subprocess.run([*cmd, "--result", str(result)], check=True)
+            cmd = [sys.executable, "-m", "rolloutpipe.bench.gpu_calibrate", *argv_child, "--phase", phase,
+                   "--model-dir", str(model_dir)]  # fmt: skip
+            # the child imports this very tree (``-m`` from any directory), as the parent did
+            root = str(Path(__file__).resolve().parents[2])
+            env = {
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+            }
+            subprocess.run([*cmd, "--result", str(result)], check=True, env=env)
             res[phase] = json.loads(result.read_text())
     res["hardware"] = hardware_name(a.device)
     out = Path(a.out)

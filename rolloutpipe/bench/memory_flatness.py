@@ -1,6 +1,6 @@
 """Bounded memory over a long run: Redis ``used_memory`` and every role's RSS, sampled by step.
 
-    python benchmarks/memory_flatness.py --steps 200 --every 10 --out runs/memory
+    python -m rolloutpipe.bench.memory_flatness --steps 200 --every 10 --out runs/memory
 
 Runs the emulated engine and trainer (the fast settings of ``tests/conftest.py``) for ``--steps``
 steps against a private redis-server, every role its own process (``rolloutpipe.launch.cluster``), samples
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,16 +22,13 @@ from typing import Any
 
 import redis
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from rolloutpipe.broker.codec import DEFAULT_CODEC  # noqa: E402
-from rolloutpipe.broker.embedded import EmbeddedRedis  # noqa: E402
-from rolloutpipe.broker.events import PolicyVersion  # noqa: E402
-from rolloutpipe.broker.keys import Keys  # noqa: E402
-from rolloutpipe.config import Config, load_config  # noqa: E402
-from rolloutpipe.launch.cluster import run_cluster  # noqa: E402
+from rolloutpipe.bench.harness import CONFIGS
+from rolloutpipe.broker.codec import DEFAULT_CODEC
+from rolloutpipe.broker.embedded import EmbeddedRedis
+from rolloutpipe.broker.events import PolicyVersion
+from rolloutpipe.broker.keys import Keys
+from rolloutpipe.config import Config, load_config
+from rolloutpipe.launch.cluster import run_cluster
 
 FAST = (  # tests/conftest.py EMULATED_FAST
     "rollout.engine=emulated",
@@ -215,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     out = Path(a.out)
     cfg = load_config(
-        ROOT / "configs/demo.yaml",
+        CONFIGS / "demo.yaml",
         ["run=memory", f"out={out}", *FAST, f"controller.steps={a.steps}", *a.overrides],
         environ={},
     )
