@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from rolloutpipe.config import Config, load_config
 from rolloutpipe.errors import ConfigError
@@ -112,6 +113,22 @@ def test_a_preset_and_a_clashing_policy_in_one_layer_is_an_error_naming_it(
     over = ["controller.mode=sync", "controller.policy=fgd"] if layer == "cli" else []
     msg = error(f, over, environ=env)
     assert re.match(where + r": controller\.mode=sync means .*controller\.policy='fgd' is set too", msg), msg
+
+
+def test_a_preset_among_configs_own_arguments_is_expanded_with_the_same_check() -> None:
+    """``Config(...)`` without load_config: the same expansion (config/presets.py), as a ValidationError."""
+    c = Config(controller={"mode": "sync"})
+    assert c.mode == "sync" and c.controller.mode == "sync"  # kept, as given
+    assert (c.controller.policy, c.trainer.schedule) == ("fifo", "barrier")
+    with pytest.raises(
+        ValidationError, match=r"controller\.mode=cgp means .*trainer\.schedule='barrier' is set too"
+    ):
+        Config(controller={"mode": "cgp"}, trainer={"schedule": "barrier"})
+
+
+def test_a_preset_that_is_not_a_name_is_a_bad_value_naming_its_layer() -> None:
+    msg = error(None, ["controller.mode=[1]"], environ={})  # used to be a TypeError (unhashable)
+    assert msg.startswith("invalid config: controller.mode (from the command line): Input should be"), msg
 
 
 # --- the environment's namespace ---

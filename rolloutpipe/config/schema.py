@@ -1,104 +1,30 @@
-"""Configuration: YAML under ``configs/``, overridden by ``RP_…`` env vars, overridden by dotted CLI flags.
+"""The config's schema: one pydantic model per section (``task``, ``model``, ``rollout``, ``controller``,
+``trainer``, ``eval``, ``redis``, ``metrics``) and :class:`Config`, the whole, with its defaults and
+the checks that span keys.
 
-Precedence (highest first): ``a.b=c`` CLI overrides, ``RP_A__B=c`` environment, the YAML file, defaults.
-Loaded (:func:`load_config`) before any event loop starts.  Each layer is a pydantic-settings source
-and the library merges them (a deep merge: a layer that sets one key of a section keeps the others
-from the layers below): the file through ``YamlConfigSettingsSource``, the environment through
-``EnvSettingsSource`` (prefix ``RP_``, ``__`` between levels, any case) over the given mapping, the
-overrides through a small source of our own; ``Config.settings_customise_sources`` orders them.
-``Config(...)`` outside ``load_config`` reads neither a file nor the environment.
-
-What the library does not do is done here, per layer: values (of variables and overrides alike) are
-YAML scalars, so ``RP_CONTROLLER__POLICY_ARGS__K=0.5`` is a float and an empty value stays ``""``;
-``controller.mode`` is expanded into ``controller.policy`` and ``trainer.schedule`` within its layer,
-so a later layer's preset overrides an earlier layer's policy, while a preset and a different policy
-in one layer is an error naming the layer; and every error names the key and where its value came
-from: ``(from the config file PATH)``, ``(from RP_CONTROLLER__STEPS)``, ``(from the command line)``.
-
-The environment's config namespace is ``RP_<KEY>`` for a top-level key (``RP_RUN``, ``RP_OUT``,
-``RP_LOG_LEVEL``) and ``RP_<SECTION>__<KEY>[__<KEY>…]`` (a double underscore between levels) for
-everything else.  A variable of that namespace that names no config key is an error that names the
-variable, with the likely spelling; so is an override ``a.b=c`` that names none.  The tools' own
-variables (:data:`TOOL_VARIABLES`: ``RP_REDIS_URL`` for ``tail`` and ``status``, ``RP_WORKER_ID``,
-compose's ``RP_STEPS`` …) are outside it and never reach the config; any other ``RP_…`` name outside
-it is ignored with a warning.
+``Config`` is a pydantic-settings model, but ``Config(...)`` reads only its arguments: the file, the
+``RP_…`` environment and the command line are sources that ``load_config`` (``config/load.py``) hands
+to it for the duration of one load (:data:`_LOAD_SOURCES`).  A preset (``controller.mode``) among
+``Config(...)``'s own arguments is expanded by ``config/presets.py``; verl's and TRL's trainer keys
+are read as ours by ``config/aliases.py``.
 """
 
 from __future__ import annotations
 
-import difflib
-import logging
-import os
-from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, ClassVar, Literal, get_origin
+from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic.fields import FieldInfo
-from pydantic_settings import (
-    BaseSettings,
-    EnvSettingsSource,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-    YamlConfigSettingsSource,
-)
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from rolloutpipe.errors import ConfigError
+from rolloutpipe.config.aliases import TRAINER_ALIASES, trainer_aliases
+from rolloutpipe.config.presets import Mode, Schedule, expand_preset, mode_label
 
-log = logging.getLogger("rolloutpipe.config")
-
-# ``RP_…`` variables that are not config overrides: who reads each (docs/operations.md lists them).
-TOOL_VARIABLES: dict[str, str] = {
-    "RP_REDIS_URL": "tail, status and dlq: the Redis URL when --redis-url is not given",
-    "RP_REDIS_SERVER": "the redis-server binary the embedded Redis starts",
-    "RP_WORKER_ID": "the rollout worker's consumer name when --worker-id is not given",
-    # docker-compose.yml's interpolation variables (the shell or .env; compose reads them)
-    "RP_STEPS": "compose, cpu profile: controller.steps",
-    "RP_REDIS_HOST": "compose: the host of the Redis the roles use",
-    "RP_MODELS_DIR": "compose: the host directory mounted at /models",
-    "RP_DATA_DIR": "compose: the host directory mounted at /data",
-    "RP_REDIS_APPENDFSYNC": "compose: the Redis service's appendfsync",
-    "RP_WEIGHTS_SERVE": "compose: trainer.weights_serve of every service (empty: off)",
-    "RP_WEIGHTS_URL": "compose: rollout.weights_url of every service (empty: the runs volume)",
-    "RP_REDIS_CONTROLLER_PASSWORD": "compose: the controller's Redis password",
-    "RP_REDIS_ROLLOUT_PASSWORD": "compose: the rollout workers' Redis password",
-    "RP_REDIS_AGGREGATOR_PASSWORD": "compose: the aggregator's Redis password",
-    "RP_REDIS_TRAINER_PASSWORD": "compose: the trainer's Redis password",
-    "RP_REDIS_OBSERVER_PASSWORD": "compose: the observer's (healthchecks) Redis password",
-    "RP_REDIS_POOL_PASSWORD": "compose: the pool scheduler's Redis password",
-    "RP_RUN_A": "compose, pool profile: the first run's name (default run-a)",
-    "RP_RUN_B": "compose, pool profile: the second run's name (default run-b)",
-    "RP_POOL": "compose, pool profile: the rollout pool's name (default shared)",
-    "RP_POOL_POLICY": "compose, pool profile: the pool scheduler's --policy (default lookahead)",
-    "RP_REDIS_IMAGE": "compose: the Redis service's image (default redis:7.2)",
-    "RP_BASE_IMAGE": "compose: the CPU image's base image (build arg BASE_IMAGE)",
-    "RP_TORCH_SOURCE": "compose: where the CPU image's torch wheel comes from (build arg TORCH_SOURCE)",
-    # the test suite's knobs
-    "RP_TEST_MODEL_CACHE": "tests: where the tiny model is built once",
-    "RP_CHAOS_SEED": "tests: replay one chaos schedule",
-    "RP_FUZZ_EXAMPLES": "tests: examples per fuzzed decoder and handler (default 10,000)",
-    "RP_SUITE": "tests: the suite being run (deepspeed, vllm: its engine must import; docker)",
-}
-
-Mode = Literal["sync", "cgp", "cgp-fgd"]
-MODES: tuple[Mode, ...] = ("sync", "cgp", "cgp-fgd")
-Schedule = Literal["barrier", "pipelined"]
-# The paper's names, as presets of the trainer's schedule and the controller's policy.
-PRESETS: dict[str, tuple[Schedule, str]] = {
-    "sync": ("barrier", "fifo"),
-    "cgp": ("pipelined", "fifo"),
-    "cgp-fgd": ("pipelined", "fgd"),
-}
-
-
-def mode_label(schedule: str, policy: str) -> str:
-    """The preset's name for a (schedule, policy) pair, else ``schedule/policy``."""
-    for name, pair in PRESETS.items():
-        if pair == (schedule, policy):
-            return name
-    return f"{schedule}/{policy}"
+# The sources of the load in progress (load_config sets them); empty outside it, so Config(...) reads
+# nothing else.
+_LOAD_SOURCES: ContextVar[tuple[PydanticBaseSettingsSource, ...]] = ContextVar("_LOAD_SOURCES", default=())
 
 
 def parse_listen(spec: str) -> tuple[str, int]:
@@ -418,51 +344,6 @@ class DeepSpeedConfig(_Section):
     extra: dict[str, Any] = Field(default_factory=dict)  # merged into the generated DS config
 
 
-# verl's and TRL's names of trainer keys (docs/grpo.md, "Options, with their verl and TRL names"),
-# accepted under ``trainer.`` and read as ours: name -> (whose, our key)
-TRAINER_ALIASES: dict[str, tuple[str, str]] = {
-    "clip_ratio": ("verl", "clip_eps"),
-    "clip_ratio_low": ("verl", "clip_low"),
-    "clip_ratio_high": ("verl", "clip_high"),
-    "kl_loss_coef": ("verl", "kl_coef"),
-    "kl_loss_type": ("verl", "kl_estimator"),
-    "entropy_coeff": ("verl", "entropy_coef"),
-    "loss_agg_mode": ("verl", "loss_agg"),
-    "epsilon": ("TRL", "clip_eps"),
-    "epsilon_high": ("TRL", "clip_high"),
-    "beta": ("TRL", "kl_coef"),
-}
-KL_ESTIMATORS = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}  # verl's kl_loss_type values
-VERL_KL_LOSS_COEF = 0.001  # verl's kl_loss_coef default, taken by use_kl_loss=true alone
-
-
-def _trainer_aliases(data: dict[str, Any]) -> dict[str, Any]:
-    """verl's and TRL's keys (and verl's ``use_kl_loss`` switch and ``kl_loss_type`` values) as ours."""
-    data = dict(data)
-    for alias, (whose, ours) in TRAINER_ALIASES.items():
-        if alias not in data:
-            continue
-        value = data.pop(alias)
-        if ours in data and data[ours] != value:
-            raise ValueError(
-                f"{alias} is {whose}'s name of {ours}: give one of them ({value!r} vs {data[ours]!r})"
-            )
-        log.info("trainer.%s is %s's name: read as trainer.%s", alias, whose, ours)
-        data[ours] = value
-    if "use_kl_loss" in data:  # verl: the KL term only with use_kl_loss, at kl_loss_coef
-        use = data.pop("use_kl_loss")
-        if not isinstance(use, bool):
-            raise ValueError(f"use_kl_loss (verl) must be true or false, not {use!r}")
-        if not use:
-            data["kl_coef"] = 0.0
-        elif not data.get("kl_coef"):
-            data["kl_coef"] = VERL_KL_LOSS_COEF
-    est = data.get("kl_estimator")
-    if isinstance(est, str) and est in KL_ESTIMATORS:
-        data["kl_estimator"] = KL_ESTIMATORS[est]
-    return data
-
-
 class TrainerConfig(_Section):
     # accepted besides the fields: verl's and TRL's names (TRAINER_ALIASES) and verl's use_kl_loss
     ALIASES: ClassVar[frozenset[str]] = frozenset({*TRAINER_ALIASES, "use_kl_loss"})
@@ -527,7 +408,7 @@ class TrainerConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _aliases(cls, data: Any) -> Any:
-        return _trainer_aliases(data) if isinstance(data, dict) else data
+        return trainer_aliases(data) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _check_loss(self) -> TrainerConfig:
@@ -596,6 +477,8 @@ class RedisConfig(_Section):
 
 
 class Config(BaseSettings):
+    """The whole config: ``load_config`` builds it from the file, the environment and the command line."""
+
     # What ``_EnvSource`` (``load_config``) reads: ``RP_<KEY>``, ``RP_<SECTION>__<KEY>…``, any case.
     model_config = SettingsConfigDict(
         env_prefix="RP_", env_nested_delimiter="__", case_sensitive=False, extra="forbid"
@@ -623,28 +506,12 @@ class Config(BaseSettings):
             ws.dataset = self.task.dataset
         return self
 
-    @model_validator(mode="after")
-    def _apply_preset(self) -> Config:
-        """``controller.mode`` is the paper's name for a (schedule, policy) pair; expand it once here."""
-        mode = self.controller.mode
-        if mode is not None:
-            schedule, policy = PRESETS[mode]
-            given = [
-                f"{name}={value!r}"
-                for name, value, want, section in (
-                    ("controller.policy", self.controller.policy, policy, self.controller),
-                    ("trainer.schedule", self.trainer.schedule, schedule, self.trainer),
-                )
-                if name.split(".")[1] in section.model_fields_set and value != want
-            ]
-            if given:
-                raise ValueError(
-                    f"controller.mode={mode} means trainer.schedule={schedule!r} and "
-                    f"controller.policy={policy!r}, but {', '.join(given)} is set too: "
-                    "drop controller.mode to choose the two separately"
-                )
-            self.trainer.schedule, self.controller.policy = schedule, policy
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _preset(cls, data: Any) -> Any:
+        """``controller.mode`` among ``Config(...)``'s own arguments, expanded (and kept, as given);
+        load_config's layers expand their own presets, so none of theirs is left by then."""
+        return expand_preset(data, keep_mode=True) if isinstance(data, dict) else data
 
     @property
     def mode(self) -> str:
@@ -672,276 +539,3 @@ class Config(BaseSettings):
     def dump_yaml(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(self.to_yaml())
-
-
-# --- loading: three pydantic-settings sources, highest first (Config.settings_customise_sources) ---
-
-# The sources of the load in progress; empty outside load_config, so Config(...) reads nothing else.
-_LOAD_SOURCES: ContextVar[tuple[PydanticBaseSettingsSource, ...]] = ContextVar("_LOAD_SOURCES", default=())
-
-
-def _scalar(raw: str, where: str) -> Any:
-    """A value as written in a variable or an override: a YAML scalar (or flow list/mapping); "" stays ""."""
-    if raw == "":
-        return ""
-    try:
-        return yaml.safe_load(raw)
-    except yaml.YAMLError as e:
-        why = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"{where}: {raw!r} is not a YAML value ({why})") from e
-
-
-def _env_name(parts: list[str]) -> str:
-    return "RP_" + "__".join(parts).upper()
-
-
-def _dotted_name(parts: list[str]) -> str:
-    return ".".join(parts)
-
-
-def _key_error(
-    parts: list[str], value: Any = None, name: Callable[[list[str]], str] = _env_name
-) -> str | None:
-    """Why the path ``parts`` names no config value (None: it names one); ``name`` spells a path as the
-    user wrote it (``RP_A__B`` or ``a.b``).  A section takes only a mapping."""
-    model: type[BaseModel] = Config
-    for i, part in enumerate(parts):
-        fields = model.model_fields
-        here = ".".join(parts[: i + 1])
-        if part in getattr(model, "ALIASES", ()):
-            return None  # another project's name of a key, read as ours (TRAINER_ALIASES)
-        hints: dict[str, str] = getattr(model, "HINTS", {})
-        if part in hints:
-            return f"{here} is not a config key ({hints[part]})"
-        if part not in fields:
-            near = difflib.get_close_matches(part, list(fields), n=1)
-            hint = f" (did you mean {name([*parts[:i], near[0]])}?)" if near else ""
-            return f"{here or repr(part)} is not a config key{hint}"
-        ann = fields[part].annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            model = ann
-            continue
-        if i < len(parts) - 1 and get_origin(ann) is not dict and ann is not dict:
-            return f"{here} is not a section, so {name(parts)} names nothing"
-        return None  # a value, or a key inside a free-form mapping (policy_args, extra_args, …)
-    if isinstance(value, dict):
-        return None
-    return f"{'.'.join(parts)} is a section: set one of its keys, {name([*parts, 'KEY'])}"
-
-
-def _expand_preset(layer: dict[str, Any], where: str) -> dict[str, Any]:
-    """``controller.mode`` -> ``controller.policy`` + ``trainer.schedule``, within one layer.
-
-    Expanding each layer (file, environment, command line) before the library merges them lets a
-    later layer override a preset of an earlier one (``--mode sync`` on a file that names a policy),
-    while one layer that asks for a preset and a different policy is an error.
-    """
-    ctl = layer.get("controller")
-    if not isinstance(ctl, dict) or ctl.get("mode") is None:
-        return layer
-    mode = ctl["mode"]
-    if mode not in PRESETS:
-        return layer  # let validation name the bad value
-    schedule, policy = PRESETS[mode]
-    tr_raw = layer.get("trainer")
-    tr: dict[str, Any] = tr_raw if isinstance(tr_raw, dict) else {}
-    clash = [f"{k}={v!r}" for k, v, want in (("controller.policy", ctl.get("policy", policy), policy),
-                                              ("trainer.schedule", tr.get("schedule", schedule), schedule))
-             if v != want]  # fmt: skip
-    if clash:
-        raise ConfigError(
-            f"{where}: controller.mode={mode} means trainer.schedule={schedule!r} and controller.policy="
-            f"{policy!r}, but {', '.join(clash)} is set too: drop controller.mode to choose the two"
-        )
-    out = dict(layer)
-    out["controller"] = {**{k: v for k, v in ctl.items() if k != "mode"}, "policy": policy}
-    out["trainer"] = {**tr, "schedule": schedule}
-    return out
-
-
-class _Layer(PydanticBaseSettingsSource):
-    """What load_config adds to each of its sources: per-layer preset expansion, and the layer the
-    source gave, to say where a bad value came from."""
-
-    label: str
-    data: dict[str, Any]
-
-    def _expanded(self, data: dict[str, Any]) -> dict[str, Any]:
-        data = _expand_preset(data, self.label)
-        if isinstance(data.get("trainer"), dict):  # verl's and TRL's names, within the layer that used them
-            try:
-                data = {**data, "trainer": _trainer_aliases(data["trainer"])}
-            except ValueError as e:
-                raise ConfigError(f"{self.label}: trainer.{e}") from e
-        self.data = data
-        return self.data
-
-    def origins(self, parts: list[str]) -> list[str]:
-        """Who, within this layer, set the value at ``parts`` (or above it, or below it)."""
-        return [self.label]
-
-
-class _FileSource(_Layer, YamlConfigSettingsSource):
-    """The config file, through the library's YAML source; it must exist and hold a mapping."""
-
-    def __init__(self, settings_cls: type[BaseSettings], path: Path) -> None:
-        if not path.is_file():
-            raise ConfigError(f"config file {path} {'is not a file' if path.exists() else 'does not exist'}")
-        self.label = f"the config file {path}"
-        super().__init__(settings_cls, yaml_file=path)
-
-    def _read_file(self, file_path: Any) -> dict[str, Any]:
-        try:
-            loaded = super()._read_file(file_path)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {file_path}: not YAML ({e})") from e
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {file_path} must hold a mapping, not {type(loaded).__name__}")
-        return loaded
-
-    def __call__(self) -> dict[str, Any]:
-        return self._expanded(super().__call__())
-
-
-def _config_variables(environ: Mapping[str, str]) -> dict[str, Any]:
-    """The ``RP_…`` variables that are config overrides, by name, with their values read as YAML.
-
-    Config namespace: ``RP_<TOP-LEVEL KEY>`` and ``RP_<SECTION>__<KEY>…``.  Everything else that
-    starts with ``RP_`` belongs to a tool (:data:`TOOL_VARIABLES`) or to nobody (a warning); a name of
-    the namespace that names no key is an error.
-    """
-    out: dict[str, Any] = {}
-    for k, raw in sorted(environ.items()):
-        if not k.upper().startswith("RP_") or k.upper() in TOOL_VARIABLES:
-            continue
-        parts = k[3:].lower().split("__")
-        if len(parts) == 1 and parts[0] not in Config.model_fields:
-            near = [
-                _env_name([s, rest])
-                for s in Config.model_fields
-                if (rest := parts[0].removeprefix(s + "_")) != parts[0] and not _key_error([s, rest])
-            ]
-            hint = f"; for the config key write {near[0]}" if near else ""
-            log.warning("environment variable %s is neither a config override nor a known tool's "
-                        "variable: ignored%s", k, hint)  # fmt: skip
-            continue
-        v = _scalar(raw, f"environment variable {k}")
-        why = _key_error(parts, v)
-        if why is not None:
-            raise ConfigError(
-                f"environment variable {k}: {why}.  Config overrides are RP_<KEY> for a top-level key "
-                "and RP_<SECTION>__<KEY> below it; unset the variable if it is not meant for the config"
-            )
-        out[k] = v
-    return out
-
-
-class _EnvSource(_Layer, EnvSettingsSource):
-    """``RP_…`` variables, through the library's env source (prefix ``RP_``, ``__`` between levels,
-    any case) over the given mapping, less the names that are not config; values are YAML scalars."""
-
-    label = "the environment"
-
-    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
-        self._config_vars = _config_variables(environ)
-        super().__init__(settings_cls)
-
-    def _load_env_vars(self) -> Mapping[str, Any]:
-        return {k.lower(): v for k, v in self._config_vars.items()}
-
-    def decode_complex_value(self, field_name: str, field: FieldInfo | None, value: Any) -> Any:
-        return value  # already parsed, as YAML, by _load_env_vars
-
-    def __call__(self) -> dict[str, Any]:
-        return self._expanded(super().__call__())
-
-    def origins(self, parts: list[str]) -> list[str]:
-        def related(var: list[str]) -> bool:  # one path is a prefix of the other
-            return var[: len(parts)] == parts[: len(var)]
-
-        return [k for k in self._config_vars if related(k[3:].lower().split("__"))]
-
-
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """``["a.b=3", "c=x"]`` -> nested dict; values are parsed as YAML scalars, keys checked."""
-    out: dict[str, Any] = {}
-    for item in items:
-        if "=" not in item:
-            raise ConfigError(f"command-line override {item!r} is not of the form dotted.key=value")
-        key, raw = item.split("=", 1)
-        parts = key.strip().split(".")
-        value = _scalar(raw, f"command-line override {item!r}")
-        why = _key_error(parts, value, name=_dotted_name)
-        cur = out
-        for i, part in enumerate(parts[:-1]):
-            nxt = cur.setdefault(part, {})
-            if not isinstance(nxt, dict):
-                why = why or f"{'.'.join(parts[: i + 1])} is set to a value by an earlier override"
-                break
-            cur = nxt
-        if why is not None:
-            raise ConfigError(f"command-line override {item!r}: {why}")
-        cur[parts[-1]] = value
-    return out
-
-
-class _OverridesSource(_Layer):
-    """``dotted.key=value`` arguments (the command line), a source of our own."""
-
-    label = "the command line"
-
-    def __init__(self, settings_cls: type[BaseSettings], items: list[str]) -> None:
-        super().__init__(settings_cls)
-        self._values = parse_overrides(items)
-
-    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
-        return self._values.get(field_name), field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        return self._expanded(self._values)
-
-
-def _touches(data: Any, parts: list[str]) -> str | None:
-    """``"sets"``: ``data`` holds the value at ``parts`` or one above it; ``"below"``: only keys under
-    it (the error is about a whole section); None: nothing there."""
-    for part in parts:
-        if not isinstance(data, dict):
-            return "sets"
-        if part not in data:
-            return None
-        data = data[part]
-    return "below" if isinstance(data, dict) and data else "sets"
-
-
-def _blame(loc: tuple[int | str, ...], layers: tuple[_Layer, ...]) -> str:
-    """``controller.steps (from RP_CONTROLLER__STEPS)``: the key, and which layers (highest first)
-    gave the value that failed; a layer that sets the value itself hides the ones below it."""
-    parts = [str(x) for x in loc]
-    who: list[str] = []
-    for layer in layers:
-        how = _touches(getattr(layer, "data", {}), parts)
-        if how is not None:
-            who += layer.origins(parts)
-            if how == "sets":
-                break
-    dotted = ".".join(parts) or "config"
-    return f"{dotted} (from {', '.join(who)})" if who else dotted
-
-
-def load_config(
-    path: str | Path | None, overrides: list[str] | None = None, environ: dict[str, str] | None = None
-) -> Config:
-    """The config file, then ``RP_…`` variables (``environ``, else ``os.environ``), then ``dotted.key=value``
-    overrides, each a pydantic-settings source; errors name the key and where its value came from."""
-    lowest_first: list[_Layer] = [_FileSource(Config, Path(path))] if path else []
-    lowest_first.append(_EnvSource(Config, os.environ if environ is None else environ))
-    lowest_first.append(_OverridesSource(Config, overrides or []))
-    sources = tuple(reversed(lowest_first))
-    token = _LOAD_SOURCES.set(sources)
-    try:
-        return Config()
-    except ValidationError as e:
-        msgs = "; ".join(f"{_blame(err['loc'], sources)}: {err['msg']}" for err in e.errors())
-        raise ConfigError(f"invalid config: {msgs}") from e
-    finally:
-        _LOAD_SOURCES.reset(token)
