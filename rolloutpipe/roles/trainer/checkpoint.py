@@ -6,7 +6,7 @@ after step k-1: model weights and optimizer tensors (safetensors), optimizer sca
 temporary name and renamed, so a half-written checkpoint never exists under its final name; a
 reader verifies every sha256 before loading anything.  No pickle anywhere.
 
-Step k commits in this order (``Trainer.commit``):
+Step k commits in this order (``step.commit``):
 
 1. append step k's consumed groups, metrics and timeline rows to the OUT logs (and fsync);
 2. write checkpoint k+1, which also records step k's group ids, their ``groups`` entry ids, the
@@ -165,6 +165,32 @@ def latest(root: Path) -> Checkpoint | None:
 
 def clear(root: Path) -> None:
     shutil.rmtree(root, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------- OUT logs' offsets
+
+
+def append_logs(appends: dict[Path, bytes], logs: list[Path]) -> dict[str, int]:
+    """Append each file's bytes and fsync; the sizes of every log afterwards (the commit's offsets)."""
+    for path, data in appends.items():
+        with path.open("ab") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    return log_sizes(logs)
+
+
+def log_sizes(logs: list[Path]) -> dict[str, int]:
+    return {p.name: p.stat().st_size if p.exists() else 0 for p in logs}
+
+
+def truncate_logs(out: Path, offsets: dict[str, int]) -> None:
+    """Drop whatever an uncommitted step appended after the checkpoint's offsets."""
+    for name, size in offsets.items():
+        p = out / name
+        if p.exists() and p.stat().st_size > size:
+            log.info("truncating %s to %d bytes (uncommitted step)", p.name, size)
+            os.truncate(p, size)
 
 
 # ----------------------------------------------------------------------------- optimizer (no pickle)

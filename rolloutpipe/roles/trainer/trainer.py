@@ -1,44 +1,38 @@
 """The trainer role: groups in (FIFO), optimizer steps out, new policy version published.
 
-``trainer.schedule: pipelined`` (CGP): forward+backward per group as groups arrive; an optimizer
-step at each mini-batch boundary; mini-batch j is the j-th run of ``groups_per_minibatch`` groups in
-arrival order, and a last, shorter mini-batch takes what is left.  ``barrier`` (slime's loop): the
-same computation, started only once the step's last group has arrived.  The step has the plan's
-groups, or, when the policy may skip or add groups, the number its ``StepSeal`` gives.
+This module wires the role: ``run_trainer`` (backend, metrics port, weights server), the reader
+task (groups read promptly, their read time stamped, even while the backend computes), the loop
+over steps, the resume from the newest checkpoint and the idempotent end of a commit.  One step,
+top to bottom (intake, the schedule, measurement, commit), is ``step.py``; the schedule,
+``trainer.schedule``, is chosen here once.
 
-The fence is enforced here, where groups are consumed.  Group entries are acknowledged only after
-the step's weights are published (the effect is durable).  A step commits through a checkpoint
-(``checkpoint.py`` gives the order and why a SIGKILL at any point neither loses nor repeats a
-group); a restarted trainer resumes from its newest checkpoint.  Every time below is observed: sample
-admission and completion stamped by workers, group reads and compute stamped here.
+Group entries are acknowledged only after the step's weights are published (the effect is
+durable).  A step commits through a checkpoint (``checkpoint.py`` gives the order and why a SIGKILL
+at any point neither loses nor repeats a group); a restarted trainer resumes from its newest
+checkpoint.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from rolloutpipe import metrics
 from rolloutpipe.broker.connect import connect
 from rolloutpipe.broker.events import Group, PolicyVersion, StepMetrics, StepPlan, StepSeal
 from rolloutpipe.broker.keys import Groups
-from rolloutpipe.broker.streams import Broker, Entry
-from rolloutpipe.config import Config, mode_label
-from rolloutpipe.errors import ConfigError, StaleVersionError
+from rolloutpipe.broker.streams import Broker
+from rolloutpipe.config import Config
+from rolloutpipe.errors import ConfigError
 from rolloutpipe.roles.trainer import checkpoint
 from rolloutpipe.roles.trainer.backends import Backend, make_backend
 from rolloutpipe.roles.trainer.evaluate import Evaluator
-from rolloutpipe.roles.trainer.fence import VersionFence
 from rolloutpipe.roles.trainer.loggers import StepLogger
-from rolloutpipe.runtime import close_client, end_tasks, queue_get
+from rolloutpipe.roles.trainer.step import SCHEDULES, Read, train_step
+from rolloutpipe.runtime import close_client, end_tasks
 
 if TYPE_CHECKING:
     import torch
@@ -48,67 +42,16 @@ GROUP = Groups.TRAINER
 PENDING_SWEEP_S = 2.0  # how often the reader re-reads its own pending entries
 
 
-@dataclass
-class _Read:
-    entry: Entry
-    event: Group | StepSeal
-    read_at: float
-
-
-@dataclass
-class StepClock:
-    """Observed timings of one step."""
-
-    busy: float = 0.0
-    mb_busy: float = 0.0
-    last_mb: float = 0.0
-    last_group: float = 0.0  # compute after the last group arrived: its backward + the final step
-    first_read: float = 0.0
-    step_start: float = float("inf")
-    rollout_end: float = 0.0
-    latencies: list[float] = field(default_factory=list)
-    admission: list[float] = field(default_factory=list)
-    busy_intervals: list[tuple[float, float]] = field(default_factory=list)
-    groups: list[dict[str, object]] = field(default_factory=list)
-    rewards: list[float] = field(default_factory=list)
-    samples: int = 0
-    tokens: int = 0
-    train_stats: list[dict[str, float]] = field(default_factory=list)  # one per optimizer step
-
-    def observe(self, g: Group, read_at: float) -> None:
-        if not self.first_read:
-            self.first_read = read_at
-        self.step_start = min(self.step_start, min(s.admitted_at for s in g.samples))
-        last = max(s.finished_at for s in g.samples)
-        self.rollout_end = max(self.rollout_end, last)
-        self.latencies.append(read_at - last)
-        self.admission.extend(s.admitted_at - s.released_at for s in g.samples if s.released_at)
-        self.groups.append(
-            {
-                "id": g.group_id,
-                "minibatch": g.frontier.minibatch,
-                "completed_at": g.completed_at,
-                "read_at": read_at,
-                "samples": [
-                    [s.worker, s.admitted_at, s.finished_at, len(s.prompt_ids), len(s.response_ids)]
-                    for s in g.samples
-                ],
-            }
-        )
-        self.rewards.extend(s.reward for s in g.samples)
-        self.samples += len(g.samples)
-        self.tokens += sum(len(s.response_ids) for s in g.samples)
-
-
 class Trainer:
     def __init__(self, cfg: Config, broker: Broker, backend: Backend, out: Path) -> None:
         self.cfg = cfg
         self.b = broker
         self.k = broker.keys
         self.backend = backend
+        self.schedule = SCHEDULES[cfg.trainer.schedule]  # pipelined (CGP) or barrier
         self.out = out
         self.weights_root = out / "weights"
-        self.queue: asyncio.Queue[_Read] = asyncio.Queue(maxsize=cfg.trainer.read_ahead_groups)
+        self.queue: asyncio.Queue[Read] = asyncio.Queue(maxsize=cfg.trainer.read_ahead_groups)
         self.queued_ids: set[str] = set()  # group entries handed to train_step (this process)
         self.ckpt_root = out / "checkpoints" / broker.run
         self.logs = [out / "metrics.jsonl"]  # appended at each commit; truncated back on resume
@@ -150,7 +93,7 @@ class Trainer:
                 if ev is None:
                     continue
                 assert isinstance(ev, Group | StepSeal)
-                await self.queue.put(_Read(e, ev, now))
+                await self.queue.put(Read(e, ev, now))
 
     async def publish(self, version: int, m: StepMetrics | None = None) -> PolicyVersion:
         """Weights of ``version``, then one MULTI: the previous step's metrics, the version key and event.
@@ -163,213 +106,11 @@ class Trainer:
         log.info("published policy version %d", version)
         return pv
 
-    async def train_minibatch(self, groups: list[Group], clock: StepClock) -> dict[str, float]:
-        t0 = time.time()
-        tg = t0
-        for g in groups:
-            tg = time.time()
-            await asyncio.to_thread(self.backend.accumulate, g)
-        stats = await asyncio.to_thread(self.backend.optimizer_step)
-        clock.train_stats.append(stats)
-        clock.last_group = time.time() - tg
-        dt = time.time() - t0
-        clock.busy_intervals.append((t0, t0 + dt))
-        clock.busy += dt
-        clock.last_mb = dt
-        return stats
-
-    async def close_minibatch(
-        self, groups: list[Group], clock: StepClock, last_group_t0: float, minibatches: list[list[str]]
-    ) -> None:
-        """The optimizer step at a mini-batch boundary of the pipelined schedule."""
-        t0 = time.time()
-        clock.train_stats.append(await asyncio.to_thread(self.backend.optimizer_step))
-        clock.mb_busy += time.time() - t0
-        clock.busy_intervals.append((t0, time.time()))
-        clock.last_group = time.time() - last_group_t0
-        clock.busy += clock.mb_busy
-        clock.last_mb, clock.mb_busy = clock.mb_busy, 0.0
-        minibatches.append([x.group_id for x in groups])
-
     async def train_step(self, step: int, plan: StepPlan, stop: asyncio.Event) -> StepMetrics | None:
-        fence = VersionFence(step)
-        await asyncio.to_thread(self.backend.begin_step, step)
-        gpm = plan.groups_per_minibatch
-        pipelined = self.cfg.trainer.schedule == "pipelined"
-        total: int | None = plan.n_groups if plan.sealed else None  # else the seal says
-        clock = StepClock()
-        consumed: list[str] = []
-        trained: list[bytes] = []  # encoded groups for OUT/groups.msgpack, written at the commit
-        entry_ids: list[str] = []
-        pending: list[Group] = []
-        minibatches: list[list[str]] = []
-        seen = await self.b.consumed(step)
-        while total is None or len(consumed) < total:
-            if stop.is_set():
-                return None
-            item = await queue_get(self.queue, 0.1)
-            if item is None:
-                continue
-            if isinstance(item.event, StepSeal):
-                seal = item.event
-                why = ""
-                if seal.step < step:  # a controller restarted after sealing seals its step again
-                    log.info("seal of step %d again (a restarted controller): acknowledged", seal.step)
-                    await self.b.incr("duplicate_seals", step=seal.step)
-                    await self.b.ack(self.k.groups, GROUP, item.entry.id)
-                    continue
-                if seal.step > step:
-                    why = f"seal of step {seal.step} during step {step}"
-                elif plan.sealed:
-                    why = f"seal of step {step}, whose plan was sealed with {plan.n_groups} groups"
-                elif seal.n_groups < len(consumed):
-                    why = f"seal of step {step} for {seal.n_groups} groups; {len(consumed)} already trained"
-                if why:
-                    await self.b.dead_letter(item.entry, why, step=step, policy_version=seal.policy_version,
-                                             counter="rejected_seals", ack_group=GROUP)  # fmt: skip
-                    continue
-                entry_ids.append(item.entry.id)  # acknowledged with the step's groups
-                total = seal.n_groups
-                continue
-            g = item.event
-            try:
-                fence.check(g)
-            except StaleVersionError as e:
-                await self.b.dead_letter(
-                    item.entry,
-                    f"fence: {e}",
-                    step=step,
-                    policy_version=g.policy_version,
-                    counter="fence_rejections",
-                    ack_group=GROUP,
-                )
-                continue
-            if g.group_id in seen:
-                log.warning("group %s already consumed; acknowledging the duplicate", g.group_id)
-                await self.b.incr("duplicate_groups", step=step)
-                await self.b.ack(self.k.groups, GROUP, item.entry.id)
-                continue
-            seen.add(g.group_id)
-            consumed.append(g.group_id)
-            metrics.GROUPS.labels("trainer").inc()
-            metrics.GROUP_DISPATCH.observe(max(0.0, item.read_at - max(s.finished_at for s in g.samples)))
-            entry_ids.append(item.entry.id)
-            clock.observe(g, item.read_at)
-            if self.cfg.trainer.record_groups:
-                trained.append(self.b.encode(g))
-            pending.append(g)
-            if pipelined:  # CGP: train each group as it arrives, step at the boundary
-                tg = time.time()
-                await asyncio.to_thread(self.backend.accumulate, g)
-                clock.mb_busy += time.time() - tg
-                clock.busy_intervals.append((tg, time.time()))
-                if len(pending) == gpm or len(consumed) == total:  # a boundary, or the step's last group
-                    await self.close_minibatch(pending, clock, tg, minibatches)
-                    pending = []
-        if pipelined and pending:  # the seal came after the last group: its mini-batch is shorter
-            await self.close_minibatch(pending, clock, time.time(), minibatches)
-            pending = []
-        if not pipelined:
-            for i in range(0, len(pending), gpm):
-                mb = pending[i : i + gpm]
-                await self.train_minibatch(mb, clock)
-                minibatches.append([x.group_id for x in mb])
-            pending = []
-        train_end = time.time()
-        eval_reward: float | None = None
-        if self.evaluator is not None and self.evaluator.due(step):  # version k+1, before it is published
-            eval_reward = await asyncio.to_thread(self.evaluator, getattr(self.backend, "model"))  # noqa: B009
-        eval_s = time.time() - train_end
-        timeline: dict[str, Any] = {
-            "step": step,
-            "mode": mode_label(self.cfg.trainer.schedule, plan.policy),
-            "step_start": clock.step_start,
-            "train_end": train_end,
-            "busy": clock.busy_intervals,
-            "groups": clock.groups,
-        }
-        if not consumed:  # every group skipped: the step is its plan's age, with nothing trained
-            clock.step_start = clock.first_read = clock.rollout_end = min(plan.created_at, train_end)
-        window = max(train_end - clock.step_start, 1e-9)
-        lat = np.asarray(clock.latencies or [0.0])
-        m = StepMetrics(
-            run=self.b.run,
-            step=step,
-            policy_version=step,
-            mode=mode_label(self.cfg.trainer.schedule, plan.policy),
-            rollout_to_train_end_s=window,
-            trainer_wait_ratio=max(0.0, window - clock.busy) / window,
-            first_group_s=clock.first_read - clock.step_start,
-            reward_mean=float(np.mean(clock.rewards)) if clock.rewards else 0.0,
-            groups=len(consumed),
-            samples=clock.samples,
-            tokens=clock.tokens,
-            fence_rejections=await self.b.stat("fence_rejections", step),
-            dead_letters=await self.b.stat("dead_letters", step),
-            groups_skipped=await self.b.stat("groups_skipped", step),
-            verifier_errors=await self.b.stat("verifier_errors", step),
-            verifier_timeouts=await self.b.stat("verifier_timeouts", step),
-            samples_wasted=max(0, await self.b.released_count(step) - clock.samples),
-            train_busy_s=clock.busy,
-            rollout_makespan_s=clock.rollout_end - clock.step_start,
-            last_minibatch_train_s=clock.last_mb,
-            last_group_train_s=clock.last_group,
-            dispatch_latency_p50_s=float(np.percentile(lat, 50)),
-            dispatch_latency_p99_s=float(np.percentile(lat, 99)),
-            admission_latency_p50_s=float(np.percentile(clock.admission or [0.0], 50)),
-            minibatches=minibatches,
-            step_start=clock.step_start,
-            train_end=train_end,
-            eval_reward=eval_reward,
-            eval_s=eval_s if eval_reward is not None else 0.0,
-            train={
-                k: float(np.mean([st[k] for st in clock.train_stats if k in st]))
-                for k in sorted({k for st in clock.train_stats for k in st})
-            },
-        )
-        await self.commit(step, m, consumed, entry_ids, trained, timeline)
-        if self.logger is not None:
-            self.logger.log(m)
-        metrics.WAIT_RATIO.set(m.trainer_wait_ratio)
-        metrics.ROLLOUT_TO_TRAIN_END.set(m.rollout_to_train_end_s)
-        metrics.FIRST_GROUP.set(m.first_group_s)
-        metrics.REWARD_MEAN.set(m.reward_mean)
-        metrics.TRAIN_BUSY.inc(m.train_busy_s)
-        metrics.TOKENS.inc(m.tokens)
-        metrics.GROUPS_SKIPPED.inc(m.groups_skipped)
-        metrics.SAMPLES_WASTED.inc(m.samples_wasted)
-        if m.eval_reward is not None:
-            metrics.EVAL_REWARD.set(m.eval_reward)
-        metrics.STEP.labels("trainer").set(step)
-        metrics.POLICY_VERSION.labels("trainer").set(step + 1)
-        return m
+        """One step (``step.py``); None when stopped before the step has all its groups."""
+        return await train_step(self, step, plan, stop)
 
     # ------------------------------------------------------------------------------ commit / resume
-
-    async def commit(
-        self,
-        step: int,
-        m: StepMetrics,
-        consumed: list[str],
-        entry_ids: list[str],
-        trained: list[bytes],
-        timeline: dict[str, Any],
-    ) -> None:
-        """Logs, checkpoint k+1 (the commit point), version k+1 + metrics, then ``consumed:k`` + acks."""
-        row = json.dumps(m.model_dump(mode="json", exclude={"kind", "schema_version"})) + "\n"
-        appends: dict[Path, bytes] = {self.out / "metrics.jsonl": row.encode()}
-        if self.cfg.trainer.record_groups:
-            appends[self.out / "groups.msgpack"] = b"".join(trained)
-        if self.cfg.trainer.record_timeline:
-            appends[self.out / "timeline.jsonl"] = (json.dumps(timeline) + "\n").encode()
-        offsets = await asyncio.to_thread(_append_all, appends, self.logs)
-        record = {
-            "commit": {"step": step, "groups": consumed, "entries": entry_ids},
-            "metrics": m.model_dump(mode="json"),
-            "logs": offsets,
-        }
-        await asyncio.to_thread(self.save_checkpoint, step + 1, record)
-        await self.finish_commit(step, m, consumed, entry_ids)
 
     def save_checkpoint(self, step: int, record: dict[str, Any], initial: bool = False) -> None:
         tensors: dict[str, dict[str, torch.Tensor]] | None = None
@@ -403,7 +144,9 @@ class Trainer:
                 ck = None
             if ck is None:
                 await asyncio.to_thread(checkpoint.clear, self.ckpt_root)
-                await asyncio.to_thread(self.save_checkpoint, 0, {"logs": _sizes(self.logs)}, True)
+                await asyncio.to_thread(
+                    self.save_checkpoint, 0, {"logs": checkpoint.log_sizes(self.logs)}, True
+                )
             await self.publish(0)
             return 0
         v = pv.policy_version
@@ -412,13 +155,13 @@ class Trainer:
                 raise checkpoint.CheckpointError(
                     f"policy version {v} is published but {self.ckpt_root} holds no checkpoint to resume from"
                 )
-            await asyncio.to_thread(self.save_checkpoint, 0, {"logs": _sizes(self.logs)}, True)
+            await asyncio.to_thread(self.save_checkpoint, 0, {"logs": checkpoint.log_sizes(self.logs)}, True)
             return 0
         if ck.step not in (v, v + 1):
             raise checkpoint.CheckpointError(
                 f"checkpoint {ck.path} (step {ck.step}) does not match version {v}"
             )
-        await asyncio.to_thread(_truncate_logs, self.out, ck.state.get("logs", {}))
+        await asyncio.to_thread(checkpoint.truncate_logs, self.out, ck.state.get("logs", {}))
         if not ck.initial:
             if isinstance(self.backend, checkpoint.Checkpointable):
                 tensors = await asyncio.to_thread(ck.tensors)
@@ -460,29 +203,6 @@ class Trainer:
             if self.logger is not None:
                 self.logger.close()
         return 0
-
-
-def _append_all(appends: dict[Path, bytes], logs: list[Path]) -> dict[str, int]:
-    """Append each file's bytes and fsync; the sizes of every log afterwards (the commit's offsets)."""
-    for path, data in appends.items():
-        with path.open("ab") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    return _sizes(logs)
-
-
-def _sizes(logs: list[Path]) -> dict[str, int]:
-    return {p.name: p.stat().st_size if p.exists() else 0 for p in logs}
-
-
-def _truncate_logs(out: Path, offsets: dict[str, int]) -> None:
-    """Drop whatever an uncommitted step appended after the checkpoint's offsets."""
-    for name, size in offsets.items():
-        p = out / name
-        if p.exists() and p.stat().st_size > size:
-            log.info("truncating %s to %d bytes (uncommitted step)", p.name, size)
-            os.truncate(p, size)
 
 
 async def run_trainer(cfg: Config, url: str, run: str, out: Path, stop: asyncio.Event) -> int:
