@@ -118,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="timeline and per-step pictures plus one HTML page of a run")
     report.add_argument("dir", help="the run's --out directory (metrics.jsonl, timeline.jsonl)")
 
-    from rolloutpipe.tools.ops import STREAMS, stream_name
+    from rolloutpipe.tools.view import STREAMS, stream_name
 
     url_help = "default: $RP_REDIS_URL or redis://127.0.0.1:6379/0"
     tail = sub.add_parser("tail", help="print a run's stream entries as JSON lines (read-only)")
@@ -222,16 +222,16 @@ def _preflight(cfg: Config, url: str) -> None:
             "GRPO learns nothing from it (unless an allocation policy gives groups more samples)"
         )
     if url:
-        from rolloutpipe.tools import ops
+        from rolloutpipe.tools import view
 
         try:
-            r = ops.connect(url)
+            r = view.connect(url)
             try:
                 r.ping()
             finally:
                 r.close()
-        except (*ops.REDIS_DOWN, ops.REDIS_REFUSED) as e:
-            raise ConfigError(f"{ops.redis_failure(url, e)}; nothing was started") from e
+        except (*view.REDIS_DOWN, view.REDIS_REFUSED) as e:
+            raise ConfigError(f"{view.redis_failure(url, e)}; nothing was started") from e
 
 
 def _reuse_out(cfg: Config, out: Path, args: argparse.Namespace) -> bool | None:
@@ -457,17 +457,18 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_tail(args: argparse.Namespace) -> int:
     from rolloutpipe.broker.streams import Keys
-    from rolloutpipe.tools import ops
+    from rolloutpipe.tools import tail as stream_tail
+    from rolloutpipe.tools import view
 
-    url = ops.redis_url(args.redis_url)
-    r = ops.connect(url)
-    where = ops.Filter(group=args.group, policy_version=args.policy_version, kind=args.kind)
+    url = view.redis_url(args.redis_url)
+    r = view.connect(url)
+    where = stream_tail.Filter(group=args.group, policy_version=args.policy_version, kind=args.kind)
     try:
-        exists = ops.stream_exists(r, args.run, args.stream)
+        exists = view.stream_exists(r, args.run, args.stream)
         if not exists:
             print(f"rolloutpipe: note: run {args.run!r} has no {args.stream} stream (yet)", file=sys.stderr)
         done_key = Keys(args.run).done
-        written = ops.tail(
+        written = stream_tail.tail(
             r,
             args.run,
             args.stream,
@@ -482,12 +483,12 @@ def cmd_tail(args: argparse.Namespace) -> int:
         if args.follow:
             print(f"rolloutpipe: note: run {args.run!r} is done; nothing more will come", file=sys.stderr)
         elif exists and written == 0 and (args.n > 0 or args.from_start):
-            held = int(r.xlen(ops.stream_key(Keys(args.run), args.stream)) or 0)
+            held = int(r.xlen(view.stream_key(Keys(args.run), args.stream)) or 0)
             trimmed = "it holds none now (entries are trimmed once consumed: redis.trim); --follow waits"
             why = f"none of its {held} entries matches" if held else trimmed
             print(f"rolloutpipe: note: no {args.stream} entry printed: {why}", file=sys.stderr)
-    except (*ops.REDIS_DOWN, ops.REDIS_REFUSED) as e:
-        print(f"rolloutpipe: error: {ops.redis_failure(url, e)}", file=sys.stderr)
+    except (*view.REDIS_DOWN, view.REDIS_REFUSED) as e:
+        print(f"rolloutpipe: error: {view.redis_failure(url, e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         pass
@@ -502,27 +503,27 @@ def cmd_status(args: argparse.Namespace) -> int:
     import json
     import time
 
-    from rolloutpipe.tools import ops
+    from rolloutpipe.tools import status, view
 
-    url = ops.redis_url(args.redis_url)
-    r = ops.connect(url)
+    url = view.redis_url(args.redis_url)
+    r = view.connect(url)
     try:
         while True:
             try:
-                st = ops.collect_status(r, args.run)
-            except (*ops.REDIS_DOWN, ops.REDIS_REFUSED) as e:
-                why = ops.redis_failure(url, e)
+                st = status.collect_status(r, args.run)
+            except (*view.REDIS_DOWN, view.REDIS_REFUSED) as e:
+                why = view.redis_failure(url, e)
                 if args.check:
                     print(f"unhealthy: {why}")
                 else:
                     print(f"rolloutpipe: error: {why}", file=sys.stderr)
                 return 2
             if args.check and args.worker:
-                code, why = ops.worker_health(r, args.run, args.worker)
+                code, why = status.worker_health(r, args.run, args.worker)
                 print(why)
                 return code
             if args.check:
-                code, why = ops.health(st, args.stuck_after)
+                code, why = status.health(st, args.stuck_after)
                 print(why)
                 return code
             if args.json:
@@ -530,7 +531,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             else:
                 if args.watch and sys.stdout.isatty():
                     print("\x1b[2J\x1b[H", end="")  # clear the screen
-                print(ops.render_status(st) + ("\n" if args.watch else ""), flush=True)
+                print(status.render_status(st) + ("\n" if args.watch else ""), flush=True)
             if not args.watch:
                 return 0 if st["exists"] else 2
             time.sleep(args.watch)
@@ -544,10 +545,10 @@ def cmd_dlq(args: argparse.Namespace) -> int:
     """``dlq list|show|replay``: 0 done, 1 some dead letter refused to replay, 2 bad input or no Redis."""
     import json
 
-    from rolloutpipe.tools import dlq, ops
+    from rolloutpipe.tools import dlq, view
 
-    url = ops.redis_url(args.redis_url)
-    r = ops.connect(url)
+    url = view.redis_url(args.redis_url)
+    r = view.connect(url)
     try:
         if args.dlq_cmd == "show":
             print(dlq.render_detail(dlq.detail(dlq.get(r, args.run, args.id))))
@@ -586,8 +587,8 @@ def cmd_dlq(args: argparse.Namespace) -> int:
         hint = " (--force would replay some)" if any(rp.forceable for rp in done if rp.refused) else ""
         print(f"{verb} {len(done) - refused}, refused {refused}{hint}")
         return 1 if refused else 0
-    except (*ops.REDIS_DOWN, ops.REDIS_REFUSED) as e:
-        print(f"rolloutpipe: error: {ops.redis_failure(url, e)}", file=sys.stderr)
+    except (*view.REDIS_DOWN, view.REDIS_REFUSED) as e:
+        print(f"rolloutpipe: error: {view.redis_failure(url, e)}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, EOFError):
         return 130
