@@ -119,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("dir", help="the run's --out directory (metrics.jsonl, timeline.jsonl)")
 
     from rolloutpipe.broker.keys import STREAMS
-    from rolloutpipe.tools.ops import stream_name
+    from rolloutpipe.tools.view import stream_name
 
     url_help = "default: $RP_REDIS_URL or redis://127.0.0.1:6379/0"
     tail = sub.add_parser("tail", help="print a run's stream entries as JSON lines (read-only)")
@@ -224,7 +224,7 @@ def _preflight(cfg: Config, url: str) -> None:
         )
     if url:
         from rolloutpipe.broker.connect import connect_sync
-        from rolloutpipe.tools import ops
+        from rolloutpipe.tools import view
 
         try:
             r = connect_sync(url, fail_fast=True)
@@ -232,8 +232,8 @@ def _preflight(cfg: Config, url: str) -> None:
                 r.ping()
             finally:
                 r.close()
-        except (*ops.REDIS_DOWN, ops.REDIS_REFUSED) as e:
-            raise ConfigError(f"{ops.redis_failure(url, e)}; nothing was started") from e
+        except (*view.REDIS_DOWN, view.REDIS_REFUSED) as e:
+            raise ConfigError(f"{view.redis_failure(url, e)}; nothing was started") from e
 
 
 def _reuse_out(cfg: Config, out: Path, args: argparse.Namespace) -> bool | None:
@@ -341,14 +341,60 @@ def _report(table: str, where: str) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """The suite that ``--suite`` selects (``bench/harness.py``'s registry) checks its flags, then runs."""
-    from rolloutpipe.bench.harness import BenchArgs, run_suite
+    from rolloutpipe.bench.allocation import is_allocation_suite, run_allocation
+    from rolloutpipe.bench.broker import is_broker_suite, run_broker
+    from rolloutpipe.bench.paper import run_bench
 
     setup_logging("WARNING", "bench")
-    bench = BenchArgs(suite=args.suite, out=Path(args.out), config=args.config,
-                      overrides=list(args.overrides), steps=args.steps, scale=args.scale, url=args.redis_url,
-                      progress=not args.no_progress, quick=args.quick)  # fmt: skip
-    return _report(*run_suite(bench))
+    if args.suite and is_broker_suite(args.suite):
+        if args.overrides or args.steps is not None or args.scale is not None or args.config:
+            raise ConfigError(
+                "--suite broker takes its settings from configs/bench/broker.yaml "
+                "(or a copy given as --suite FILE), not overrides, --steps or --scale"
+            )
+        table, where = run_broker(
+            args.suite, Path(args.out), url=args.redis_url, progress=not args.no_progress, quick=args.quick
+        )
+        return _report(table, where)
+    if args.suite == "multiplex":
+        from rolloutpipe.bench.multiplex import run_multiplex
+
+        if args.config or args.scale is not None or args.steps is not None:
+            raise ConfigError(
+                "--suite multiplex takes its settings from configs/bench/multiplex.yaml and overrides"
+            )
+        table, where = run_multiplex(
+            Path(args.out),
+            args.overrides,
+            url=args.redis_url,
+            progress=not args.no_progress,
+            quick=args.quick,
+        )
+        return _report(table, where)
+    if args.suite and is_allocation_suite(args.suite):
+        extra = [*args.overrides, *([f"controller.steps={args.steps}"] if args.steps is not None else [])]
+        table, where = run_allocation(
+            args.suite,
+            Path(args.out),
+            extra,
+            url=args.redis_url,
+            progress=not args.no_progress,
+            quick=args.quick,
+        )
+        return _report(table, where)
+    if args.quick:
+        raise ConfigError("--quick is for the allocation and broker suites (--suite allocation|broker)")
+    table, where = run_bench(
+        args.config or None,
+        Path(args.out),
+        args.overrides,
+        steps=args.steps,
+        url=args.redis_url,
+        progress=not args.no_progress,
+        suite=args.suite,
+        scale=args.scale,
+    )
+    return _report(table, where)
 
 
 def cmd_pool(args: argparse.Namespace) -> int:
@@ -414,17 +460,18 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_tail(args: argparse.Namespace) -> int:
     from rolloutpipe.broker.connect import connect_sync
     from rolloutpipe.broker.keys import Keys
-    from rolloutpipe.tools import ops
+    from rolloutpipe.tools import tail as stream_tail
+    from rolloutpipe.tools import view
 
-    url = ops.redis_url(args.redis_url)
+    url = view.redis_url(args.redis_url)
     r = connect_sync(url, fail_fast=True)
-    where = ops.Filter(group=args.group, policy_version=args.policy_version, kind=args.kind)
+    where = stream_tail.Filter(group=args.group, policy_version=args.policy_version, kind=args.kind)
     try:
-        exists = ops.stream_exists(r, args.run, args.stream)
+        exists = view.stream_exists(r, args.run, args.stream)
         if not exists:
             print(f"rolloutpipe: note: run {args.run!r} has no {args.stream} stream (yet)", file=sys.stderr)
         done_key = Keys(args.run).done
-        written = ops.tail(
+        written = stream_tail.tail(
             r,
             args.run,
             args.stream,
@@ -439,12 +486,12 @@ def cmd_tail(args: argparse.Namespace) -> int:
         if args.follow:
             print(f"rolloutpipe: note: run {args.run!r} is done; nothing more will come", file=sys.stderr)
         elif exists and written == 0 and (args.n > 0 or args.from_start):
-            held = int(r.xlen(ops.stream_key(Keys(args.run), args.stream)) or 0)
+            held = int(r.xlen(view.stream_key(Keys(args.run), args.stream)) or 0)
             trimmed = "it holds none now (entries are trimmed once consumed: redis.trim); --follow waits"
             why = f"none of its {held} entries matches" if held else trimmed
             print(f"rolloutpipe: note: no {args.stream} entry printed: {why}", file=sys.stderr)
-    except (*ops.REDIS_DOWN, ops.REDIS_REFUSED) as e:
-        print(f"rolloutpipe: error: {ops.redis_failure(url, e)}", file=sys.stderr)
+    except (*view.REDIS_DOWN, view.REDIS_REFUSED) as e:
+        print(f"rolloutpipe: error: {view.redis_failure(url, e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         pass
@@ -460,27 +507,27 @@ def cmd_status(args: argparse.Namespace) -> int:
     import time
 
     from rolloutpipe.broker.connect import connect_sync
-    from rolloutpipe.tools import ops
+    from rolloutpipe.tools import status, view
 
-    url = ops.redis_url(args.redis_url)
+    url = view.redis_url(args.redis_url)
     r = connect_sync(url, fail_fast=True)
     try:
         while True:
             try:
-                st = ops.collect_status(r, args.run)
-            except (*ops.REDIS_DOWN, ops.REDIS_REFUSED) as e:
-                why = ops.redis_failure(url, e)
+                st = status.collect_status(r, args.run)
+            except (*view.REDIS_DOWN, view.REDIS_REFUSED) as e:
+                why = view.redis_failure(url, e)
                 if args.check:
                     print(f"unhealthy: {why}")
                 else:
                     print(f"rolloutpipe: error: {why}", file=sys.stderr)
                 return 2
             if args.check and args.worker:
-                code, why = ops.worker_health(r, args.run, args.worker)
+                code, why = status.worker_health(r, args.run, args.worker)
                 print(why)
                 return code
             if args.check:
-                code, why = ops.health(st, args.stuck_after)
+                code, why = status.health(st, args.stuck_after)
                 print(why)
                 return code
             if args.json:
@@ -488,7 +535,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             else:
                 if args.watch and sys.stdout.isatty():
                     print("\x1b[2J\x1b[H", end="")  # clear the screen
-                print(ops.render_status(st) + ("\n" if args.watch else ""), flush=True)
+                print(status.render_status(st) + ("\n" if args.watch else ""), flush=True)
             if not args.watch:
                 return 0 if st["exists"] else 2
             time.sleep(args.watch)
@@ -503,9 +550,9 @@ def cmd_dlq(args: argparse.Namespace) -> int:
     import json
 
     from rolloutpipe.broker.connect import connect_sync
-    from rolloutpipe.tools import dlq, ops
+    from rolloutpipe.tools import dlq, view
 
-    url = ops.redis_url(args.redis_url)
+    url = view.redis_url(args.redis_url)
     r = connect_sync(url, fail_fast=True)
     try:
         if args.dlq_cmd == "show":
@@ -545,8 +592,8 @@ def cmd_dlq(args: argparse.Namespace) -> int:
         hint = " (--force would replay some)" if any(rp.forceable for rp in done if rp.refused) else ""
         print(f"{verb} {len(done) - refused}, refused {refused}{hint}")
         return 1 if refused else 0
-    except (*ops.REDIS_DOWN, ops.REDIS_REFUSED) as e:
-        print(f"rolloutpipe: error: {ops.redis_failure(url, e)}", file=sys.stderr)
+    except (*view.REDIS_DOWN, view.REDIS_REFUSED) as e:
+        print(f"rolloutpipe: error: {view.redis_failure(url, e)}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, EOFError):
         return 130

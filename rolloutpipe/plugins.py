@@ -26,7 +26,7 @@ MOVED = {
     "rolloutpipe.evaluate": "rolloutpipe.roles.trainer.evaluate",
     "rolloutpipe.multiplex": "rolloutpipe.launch.pool",
     "rolloutpipe.multiplex_bench": "rolloutpipe.bench.multiplex",
-    "rolloutpipe.ops": "rolloutpipe.tools.ops",
+    "rolloutpipe.ops": "rolloutpipe.tools.tail",  # split in 0.2: also tools.status, tools.view
     "rolloutpipe.policy": "rolloutpipe.model.lm",
     "rolloutpipe.report": "rolloutpipe.tools.report",
     "rolloutpipe.runner": "rolloutpipe.launch.cluster",

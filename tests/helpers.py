@@ -13,6 +13,7 @@ from rolloutpipe.broker.codec import DEFAULT_CODEC, iter_events
 from rolloutpipe.broker.events import Group, PolicyVersion, StepMetrics
 from rolloutpipe.broker.keys import Keys
 from rolloutpipe.launch.cluster import Cluster
+from rolloutpipe.launch.follow import ControlFollower
 
 
 def version(r: redis.Redis, run: str) -> int:
@@ -33,15 +34,7 @@ def wait_version(
 
 
 def step_metrics(r: redis.Redis, run: str) -> list[StepMetrics]:
-    out = []
-    for _id, fields in r.xrange(Keys(run).control):
-        try:
-            ev = DEFAULT_CODEC.decode(fields[b"d"])
-        except Exception:
-            continue
-        if isinstance(ev, StepMetrics):
-            out.append(ev)
-    return out
+    return [m for _run, m in ControlFollower(r, [run]).drain()]  # a corrupt entry raises CodecError
 
 
 def load_weights(out: Path, v: int) -> dict[str, Any]:

@@ -152,7 +152,7 @@ def test_evaluator_uses_fixed_draws_and_the_verifier() -> None:
 
 
 def test_tail_shows_skipped_wasted_and_held_out_reward() -> None:
-    from rolloutpipe.tools.ops import _details
+    from rolloutpipe.tools.tail import _details
 
     with_eval = " ".join(
         _details(_m(3, 96, 32, 0.55, 0.0, 1.0, 0.1).model_copy(update={"groups_skipped": 2}))

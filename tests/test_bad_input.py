@@ -20,6 +20,7 @@ from rolloutpipe.broker.events import SCHEMA_VERSION, DeadLetter, StepMetrics
 from rolloutpipe.broker.keys import DATA, Keys
 from rolloutpipe.errors import CodecError
 from rolloutpipe.launch.cluster import Cluster, tail
+from rolloutpipe.launch.follow import ControlFollower
 from tests.conftest import EMULATED_FAST, make_config
 
 STEPS = 3
@@ -89,21 +90,15 @@ def test_bad_entries_on_every_stream_are_dead_lettered_and_the_run_completes(
         assert len(injected) == 12
 
         # follow the trainer's step metrics on control, like run_cluster does
-        last_id = "0-0"
+        follower = ControlFollower(sr, [run_name])
         while len(metrics) < STEPS:
             _check_alive(cluster)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"only {len(metrics)} of {STEPS} steps done in {TIMEOUT_S:.0f}s")
-            resp: Any = sr.xread({keys.control: last_id}, count=100, block=200)
-            for _stream, items in resp or []:
-                for eid, fields in items:
-                    last_id = eid.decode()
-                    try:
-                        ev = DEFAULT_CODEC.decode(fields.get(DATA, b""))
-                    except CodecError:
-                        continue
-                    if isinstance(ev, StepMetrics):
-                        metrics.append(ev)
+            try:
+                metrics += [m for _run, m in follower.poll(block_ms=200)]
+            except CodecError:
+                continue  # one of the bad entries written above (the controller dead-letters it)
 
         def all_dead_lettered() -> bool:
             return {(dl.source_stream, dl.entry_id) for dl in _dead_letters(sr, keys)} >= injected.keys()

@@ -31,7 +31,7 @@ from rolloutpipe.broker.keys import Keys, one_slot
 from rolloutpipe.broker.streams import Broker
 from rolloutpipe.broker.trim import trim_run
 from rolloutpipe.errors import CrossSlotError
-from rolloutpipe.tools import ops
+from rolloutpipe.tools import status
 from tests.conftest import EMULATED_FAST, make_config
 from tests.helpers import audit_group_log, version
 from tests.rediscluster import LocalCluster, Node
@@ -177,11 +177,11 @@ async def test_live_workers_come_from_the_registry_without_scan(
         await b.heartbeat("w0", {"capacity": 4, "t": time.time()}, ttl_s=30)
         assert {m.decode() for m in await r.zrange(k.workers, 0, -1)} == {"w0", "w2"}
         # ``status`` sees the same, through the sync client
-        st = ops.collect_status(connect_sync(url, fail_fast=True), run_name)
+        st = status.collect_status(connect_sync(url, fail_fast=True), run_name)
         assert [(w["id"], w["capacity"]) for w in st["workers"]] == [("w0", 4)]
         assert 0 < st["workers"][0]["ttl_s"] <= 30
-        assert ops.worker_health(sync, run_name, "w0")[0] == 0
-        assert ops.worker_health(sync, run_name, "w2")[0] == 1
+        assert status.worker_health(sync, run_name, "w0")[0] == 0
+        assert status.worker_health(sync, run_name, "w2")[0] == 1
         # trimming works on the cluster too (DEL of per-step keys, XTRIM)
         await trim_run(r, k, 50, keep_steps=2, control_maxlen=10)
     finally:
@@ -211,7 +211,7 @@ def test_a_run_on_the_cluster_trains_every_group_exactly_once(
     cluster = start_cluster(cfg, redis_cluster.url)
     try:
         d = Driver(cluster, csr)
-        d.until(lambda: bool(ops.collect_status(csr, run)["workers"]), 60, "live workers in status")
+        d.until(lambda: bool(status.collect_status(csr, run)["workers"]), 60, "live workers in status")
         d.finish(90)
         assert_exactly_once(csr, cfg, d.metrics)
         audit_group_log(Path(cfg.out), STEPS, cfg.controller.prompts_per_step, cfg.controller.group_size)

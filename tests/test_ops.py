@@ -29,7 +29,8 @@ from rolloutpipe.broker.connect import connect_sync
 from rolloutpipe.broker.events import DeadLetter, GroupPlan, PolicyVersion, Sample, StepPlan
 from rolloutpipe.broker.keys import DATA, Keys
 from rolloutpipe.launch.cluster import Cluster, tail
-from rolloutpipe.tools import ops
+from rolloutpipe.tools import status, view
+from rolloutpipe.tools import tail as stream_tail
 from tests.conftest import EMULATED_FAST, ROOT, make_config
 
 GARBAGE = b"\xc1\xc1 not msgpack at all"
@@ -101,7 +102,7 @@ def _tail(url: str, run: str, stream: str, **kw: Any) -> list[dict[str, Any]]:
     buf = io.StringIO()
     r = connect_sync(url, fail_fast=True)
     try:
-        ops.tail(r, run, stream, buf, **kw)
+        stream_tail.tail(r, run, stream, buf, **kw)
     finally:
         r.close()
     return [json.loads(line) for line in buf.getvalue().splitlines()]
@@ -116,11 +117,11 @@ def _rp(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
 
 
 def test_tail_decodes_requests_samples_and_groups_with_their_frontier(live: Live) -> None:
-    reqs = _tail(live.url, live.run, "requests", n=5, where=ops.Filter(kind="request"))
+    reqs = _tail(live.url, live.run, "requests", n=5, where=stream_tail.Filter(kind="request"))
     assert len(reqs) == 5 and all(r["stream"] == "requests" and r["kind"] == "request" for r in reqs)
     assert [r["id"] for r in reqs] == sorted((r["id"] for r in reqs), key=_id_key)  # oldest first
 
-    samples = _tail(live.url, live.run, "samples", n=5, where=ops.Filter(kind="sample"))
+    samples = _tail(live.url, live.run, "samples", n=5, where=stream_tail.Filter(kind="sample"))
     assert len(samples) == 5
     sr = redis.Redis.from_url(live.url)
     for s in samples:
@@ -148,7 +149,7 @@ def test_tail_decodes_requests_samples_and_groups_with_their_frontier(live: Live
 
     buf = io.StringIO()
     r = connect_sync(live.url, fail_fast=True)
-    ops.tail(r, live.run, "groups", buf, n=3, pretty=True)
+    stream_tail.tail(r, live.run, "groups", buf, n=3, pretty=True)
     r.close()
     lines = buf.getvalue().splitlines()
     assert len(lines) == 3 and all("group" in x and "frontier mb " in x and "rewards [" in x for x in lines)
@@ -165,17 +166,17 @@ def test_tail_dlq_shows_why_and_undecodable_entries_become_error_lines(live: Liv
     assert wrong_kind["payload"]["kind"] == "plan"
 
     # the garbage is still on samples: tail prints it as an error line instead of failing
-    errors = _tail(live.url, live.run, "samples", n=1, where=ops.Filter(kind="error"))
+    errors = _tail(live.url, live.run, "samples", n=1, where=stream_tail.Filter(kind="error"))
     assert [e["id"] for e in errors] == [live.bad_sample_id]
     assert "msgpack" in errors[0]["error"] and errors[0]["payload"]["len"] == len(GARBAGE)
 
 
 def test_tail_filters_by_group_policy_version_and_kind(live: Live) -> None:
-    g = _tail(live.url, live.run, "samples", n=100, where=ops.Filter(group="1:3"))
+    g = _tail(live.url, live.run, "samples", n=100, where=stream_tail.Filter(group="1:3"))
     assert len(g) == 4 and {s["group_id"] for s in g} == {"1:3"}  # a group of 4, all found by paging
-    v = _tail(live.url, live.run, "groups", n=100, where=ops.Filter(policy_version=1))
+    v = _tail(live.url, live.run, "groups", n=100, where=stream_tail.Filter(policy_version=1))
     assert sorted(x["group_id"] for x in v) == sorted(f"1:{i}" for i in range(8))
-    plans = _tail(live.url, live.run, "control", from_start=True, where=ops.Filter(kind="plan"))
+    plans = _tail(live.url, live.run, "control", from_start=True, where=stream_tail.Filter(kind="plan"))
     assert [p["step"] for p in plans][:3] == [0, 1, 2] and {p["kind"] for p in plans} == {"plan"}
 
 
@@ -185,7 +186,7 @@ def test_tail_filters_by_group_policy_version_and_kind(live: Live) -> None:
 def test_status_of_a_live_run(live: Live) -> None:
     r = connect_sync(live.url, fail_fast=True)
     try:
-        st = ops.collect_status(r, live.run)
+        st = status.collect_status(r, live.run)
     finally:
         r.close()
     assert st["exists"] and not st["done"]
@@ -204,8 +205,8 @@ def test_status_of_a_live_run(live: Live) -> None:
     assert step["groups"] == 8 and step["group_sizes"] == "G 4" and step["requests_total"] == 32
     assert (step["groups_closed"], step["groups_skipped"], step["samples_discarded"]) == (0, 0, 0)
     assert st["stats"]["total"]["dead_letters"] >= 2
-    assert ops.health(st) == (0, ops.health(st)[1]) and ops.health(st)[1].startswith("ok: 2 live")
-    text = ops.render_status(st)
+    assert status.health(st) == (0, status.health(st)[1]) and status.health(st)[1].startswith("ok: 2 live")
+    text = status.render_status(st)
     assert f"{live.run}-w0" in text and "requests" in text and "rollout" in text and "\nfrontier  " in text
 
 
@@ -213,12 +214,12 @@ def test_status_of_a_live_run(live: Live) -> None:
 
 
 def test_compact_prints_short_arrays_whole_long_ones_as_length_and_head() -> None:
-    assert ops.compact(np.arange(16, dtype="<i4")) == list(range(16))
-    assert ops.compact(np.arange(17, dtype="<i4")) == {"len": 17, "head": list(range(8))}
-    assert ops.compact(np.asarray([0.1, np.nan, -np.inf], dtype="<f4")) == [0.1, "nan", "-inf"]
+    assert view.compact(np.arange(16, dtype="<i4")) == list(range(16))
+    assert view.compact(np.arange(17, dtype="<i4")) == {"len": 17, "head": list(range(8))}
+    assert view.compact(np.asarray([0.1, np.nan, -np.inf], dtype="<f4")) == [0.1, "nan", "-inf"]
     payload = DEFAULT_CODEC.encode(_plan("r", 0))
-    assert ops.compact(payload) == {"len": len(payload), "hex": payload[:32].hex(), "kind": "plan"}
-    line = ops.record(ops.decode_entry("samples", b"1-0", {b"x": b"y"}))
+    assert view.compact(payload) == {"len": len(payload), "hex": payload[:32].hex(), "kind": "plan"}
+    line = stream_tail.record(stream_tail.decode_entry("samples", b"1-0", {b"x": b"y"}))
     assert line == {"stream": "samples", "id": "1-0", "error": "no 'd' field: ['x']",
                     "payload": {"len": 0, "hex": "", "kind": None}}  # fmt: skip
 
@@ -250,15 +251,15 @@ def test_tail_never_joins_a_group_nor_leaves_pending_entries(
         reads += 1
         return reads > 3
 
-    assert ops.tail(r, run_name, "control", buf, n=3) == 3
-    follower = threading.Thread(target=ops.tail, args=(r, run_name, "control", buf),
+    assert stream_tail.tail(r, run_name, "control", buf, n=3) == 3
+    follower = threading.Thread(target=stream_tail.tail, args=(r, run_name, "control", buf),
                                 kwargs={"n": 0, "follow": True, "block_ms": 300, "stop": stop})  # fmt: skip
     follower.start()
     time.sleep(0.1)
     sr.xadd(k.control, {DATA: plan})  # arrives while tail follows
     follower.join(10)
     assert not follower.is_alive()
-    assert ops.tail(r, run_name, "control", buf, from_start=True) == 7
+    assert stream_tail.tail(r, run_name, "control", buf, from_start=True) == 7
     r.close()
     assert len(buf.getvalue().splitlines()) == 3 + 1 + 7
     after = snapshot()
@@ -270,7 +271,7 @@ def test_tail_never_joins_a_group_nor_leaves_pending_entries(
 def test_status_pins_lag_pending_frontier_and_health(sr: redis.Redis, redis_url: str, run_name: str) -> None:
     k = Keys(run_name)
     r = connect_sync(redis_url, fail_fast=True)
-    assert ops.health(ops.collect_status(r, run_name))[0] == 2  # nothing of this run yet
+    assert status.health(status.collect_status(r, run_name))[0] == 2  # nothing of this run yet
 
     old = time.time() - 900
     pv = PolicyVersion(run=run_name, step=3, policy_version=3, path="", sha256={}, published_at=old)
@@ -285,7 +286,7 @@ def test_status_pins_lag_pending_frontier_and_health(sr: redis.Redis, redis_url:
     sr.xreadgroup("trainer", "trainer-0", {k.groups: ">"}, count=2)
     sr.hset(k.stats, mapping={"dead_letters": 3, "dead_letters:3": 1, "fence_rejections": 2})
 
-    st = ops.collect_status(r, run_name)
+    st = status.collect_status(r, run_name)
     (g,) = st["streams"]["groups"]["groups"]
     assert (g["name"], g["pending"], g["lag"]) == ("trainer", 2, 3)
     assert [(c["name"], c["pending"]) for c in g["consumers"]] == [("trainer-0", 2)]
@@ -295,20 +296,20 @@ def test_status_pins_lag_pending_frontier_and_health(sr: redis.Redis, redis_url:
     assert (s["policy"], s["group_sizes"], s["groups"]) == ("fgd", "G 4", 8)
     assert (s["requests_released"], s["requests_total"]) == (32, 32)
     assert st["stats"] == {"total": {"dead_letters": 3, "fence_rejections": 2}, "step": {"dead_letters": 1}}
-    assert "frontier        mini-batch 2/2 needs 3 more groups\n" in ops.render_status(st)
+    assert "frontier        mini-batch 2/2 needs 3 more groups\n" in status.render_status(st)
 
-    code, why = ops.health(st)
+    code, why = status.health(st)
     assert code == 1 and "no live rollout worker" in why
     hb = {"capacity": 8, "inflight": 1, "version": 3, "samples": 9, "pid": 1, "host": "h", "t": time.time()}
     sr.set(k.heartbeat("w0"), json.dumps(hb), ex=30)
     sr.zadd(k.workers, {"w0": time.time() + 30})  # a worker registers as it beats (no SCAN finds it)
-    st = ops.collect_status(r, run_name)
+    st = status.collect_status(r, run_name)
     assert [(w["id"], w["capacity"]) for w in st["workers"]] == [("w0", 8)]
-    code, why = ops.health(st, stuck_after_s=600)
+    code, why = status.health(st, stuck_after_s=600)
     assert code == 1 and "trainer stuck: 5 groups" in why  # 2 pending + 3 lag, version 900 s old
-    assert ops.health(st, stuck_after_s=3600)[0] == 0
+    assert status.health(st, stuck_after_s=3600)[0] == 0
     sr.set(k.done, b"1")
-    assert ops.health(ops.collect_status(r, run_name)) == (0, f"ok: run {run_name!r} is done")
+    assert status.health(status.collect_status(r, run_name)) == (0, f"ok: run {run_name!r} is done")
     r.close()
 
 

@@ -191,7 +191,8 @@ def test_status_shows_each_runs_share_and_tail_shows_leases_and_migrations(
     import numpy as np
 
     from rolloutpipe.broker.events import RolloutRequest
-    from rolloutpipe.tools import ops
+    from rolloutpipe.tools import status
+    from rolloutpipe.tools import tail as stream_tail
 
     pool, a, b = f"{run_name}p", f"{run_name}a", f"{run_name}b"
     pk = pool_keys(pool)
@@ -205,19 +206,19 @@ def test_status_shows_each_runs_share_and_tail_shows_leases_and_migrations(
         if run == a:  # the worker's RolloutWorker heartbeats in its run's registry too
             sr.zadd(Keys(a).workers, {wid: now + 30})
             sr.set(Keys(a).heartbeat(wid), json.dumps({**hb, "pool": pool, "migrations": 2}), ex=30)
-    st = ops.collect_status(sr, f"pool:{pool}")
+    st = status.collect_status(sr, f"pool:{pool}")
     assert st["pool"]["shares"] == {a: 2, b: 1} and st["pool"]["members"] == 3
-    assert f"shares {a} 2, {b} 1" in ops.render_status(st)
-    st = ops.collect_status(sr, a)
+    assert f"shares {a} 2, {b} 1" in status.render_status(st)
+    st = status.collect_status(sr, a)
     assert (st["pool"]["serving"], st["pool"]["members"]) == (2, 3)
-    assert f"2 of the 3 live workers of pool {pool} serve this run" in ops.render_status(st)
+    assert f"2 of the 3 live workers of pool {pool} serve this run" in status.render_status(st)
     assert [w["migrations"] for w in st["workers"]] == [2, 2]
 
     ev = Lease(run=f"pool:{pool}", step=-1, policy_version=-1, worker=f"{pool}-w2", from_run=a, to_run=b,
                policy="lookahead", shares={a: 2, b: 1}, created_at=now)  # fmt: skip
     sr.xadd(pk.leases, {DATA: DEFAULT_CODEC.encode(ev)})
     out = io.StringIO()
-    assert ops.tail(sr, f"pool:{pool}", "leases", out, pretty=False) == 1
+    assert stream_tail.tail(sr, f"pool:{pool}", "leases", out, pretty=False) == 1
     assert json.loads(out.getvalue())["to_run"] == b
     cont = RolloutRequest(
         run=a, step=0, policy_version=0, request_id="0:1:2", group_id="0:1", prompt_index=1, sample_index=2,
@@ -226,7 +227,7 @@ def test_status_shows_each_runs_share_and_tail_shows_leases_and_migrations(
     )  # fmt: skip
     sr.xadd(Keys(a).requests, {DATA: DEFAULT_CODEC.encode(cont)})
     out = io.StringIO()
-    ops.tail(sr, a, "requests", out, pretty=True)
+    stream_tail.tail(sr, a, "requests", out, pretty=True)
     assert "MIGRATED: segment 1, resumes after 7 tok of 5-0" in out.getvalue()
 
 

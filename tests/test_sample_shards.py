@@ -24,7 +24,7 @@ from rolloutpipe.broker.streams import Broker
 from rolloutpipe.broker.trim import trim_streams
 from rolloutpipe.errors import ConfigError
 from rolloutpipe.roles.aggregator import Aggregator
-from rolloutpipe.tools.ops import stream_key, stream_name
+from rolloutpipe.tools.view import stream_key, stream_name
 from tests.conftest import EMULATED_FAST, make_config
 
 

@@ -23,6 +23,7 @@ from rolloutpipe.broker.events import DeadLetter, PolicyVersion, StepMetrics
 from rolloutpipe.broker.keys import Keys
 from rolloutpipe.config import Config, TrainerConfig
 from rolloutpipe.errors import CodecError, RequestFailedError, RoleError, VerifierFailedError
+from rolloutpipe.launch.follow import ControlFollower
 
 log = logging.getLogger("rolloutpipe.run")
 
@@ -295,7 +296,7 @@ def run_cluster(
             file=sys.stderr,
             dynamic_ncols=True,
         )
-    last_id = "0-0"
+    follower = ControlFollower(r, [cfg.run])
     deadline = time.monotonic() + timeout_s
     seen: set[int] = set()
     held: dict[str, str] = {}
@@ -328,29 +329,27 @@ def run_cluster(
             if time.monotonic() > deadline:
                 raise TimeoutError(f"run {cfg.run} did not finish {steps} steps in {timeout_s:.0f}s")
             _check_failed_requests(r, keys, cfg)
-            resp: Any = r.xread({keys.control: last_id}, count=100, block=200)
-            for _stream, items in resp or []:
-                for eid, fields in items:
-                    last_id = eid.decode()
-                    try:
-                        ev = DEFAULT_CODEC.decode(fields.get(b"d", b""))
-                    except CodecError:
-                        continue  # the controller dead-letters bad control entries
-                    if isinstance(ev, StepMetrics) and ev.step >= start_v and ev.step not in seen:
-                        seen.add(ev.step)
-                        vfail += _check_verifier(ev, cfg, out)
-                        if vfail:
-                            held["verifier_failed"] = str(vfail)
-                        if bar is not None:
-                            if ev.eval_reward is not None:  # the latest held-out score stays shown
-                                held = {"held_out": f"{ev.eval_reward:.3f}"}
-                            bar.set_postfix(
-                                reward=f"{ev.reward_mean:.2f}",
-                                **held,
-                                wait=f"{ev.trainer_wait_ratio:.2f}",
-                                r2t=f"{ev.rollout_to_train_end_s:.2f}s",
-                            )
-                            bar.update(1)
+            try:
+                polled = follower.poll(block_ms=200)
+            except CodecError as e:  # the controller dead-letters a bad control entry; read on
+                log.warning("%s (skipped)", e)
+                continue
+            for _run, ev in polled:
+                if ev.step >= start_v and ev.step not in seen:
+                    seen.add(ev.step)
+                    vfail += _check_verifier(ev, cfg, out)
+                    if vfail:
+                        held["verifier_failed"] = str(vfail)
+                    if bar is not None:
+                        if ev.eval_reward is not None:  # the latest held-out score stays shown
+                            held = {"held_out": f"{ev.eval_reward:.3f}"}
+                        bar.set_postfix(
+                            reward=f"{ev.reward_mean:.2f}",
+                            **held,
+                            wait=f"{ev.trainer_wait_ratio:.2f}",
+                            r2t=f"{ev.rollout_to_train_end_s:.2f}s",
+                        )
+                        bar.update(1)
         # The last version is out; the trainer still acknowledges the step's groups, then exits
         # once the controller marks the run done.  A trainer that dies here is restarted to finish.
         trainer = next((p for p in cluster.procs if p.name == "trainer"), None)

@@ -11,6 +11,7 @@ stops everything.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,9 @@ from rolloutpipe.broker.keys import DATA, Keys, pool_keys
 from rolloutpipe.config import Config
 from rolloutpipe.errors import CodecError, RoleError
 from rolloutpipe.launch.cluster import Cluster, tail
+from rolloutpipe.launch.follow import ControlFollower
+
+log = logging.getLogger("rolloutpipe.run")
 
 
 @dataclass
@@ -86,7 +90,7 @@ def run_pool(
     started = time.time()
     clusters, pc = start_pool(cfgs, url, out, pool, workers)
     metrics: dict[str, list[StepMetrics]] = {c.run: [] for c in cfgs}
-    last = {c.run: "0-0" for c in cfgs}
+    follower = ControlFollower(r, [c.run for c in cfgs])
     pk = pool_keys(pool)
     busy: dict[str, float] = {}
     switch: dict[str, float] = {}
@@ -101,18 +105,11 @@ def run_pool(
                     )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the runs on pool {pool} did not finish in {timeout_s:.0f}s")
-            streams = {Keys(run).control: eid for run, eid in last.items()}
-            resp: Any = r.xread(streams, count=100, block=100)  # type: ignore[arg-type]
-            for stream, items in resp or []:
-                run = stream.decode().split("{", 1)[1].split("}", 1)[0]
-                for eid, fields in items:
-                    last[run] = eid.decode()
-                    try:
-                        ev = DEFAULT_CODEC.decode(fields.get(DATA, b""))
-                    except CodecError:
-                        continue
-                    if isinstance(ev, StepMetrics):
-                        metrics[run].append(ev)
+            try:
+                for run, ev in follower.poll(block_ms=100):
+                    metrics[run].append(ev)
+            except CodecError as e:  # its controller dead-letters a bad control entry; read on
+                log.warning("%s (skipped)", e)
             for wid, hb in _heartbeats(r, pk):  # the latest engine busy time of each pool worker
                 busy[wid] = float(hb.get("busy_s", 0.0))
                 switch[wid] = float(hb.get("switch_s", 0.0))

@@ -34,7 +34,7 @@ from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.events import DeadLetter, Event, Group, PolicyVersion, RolloutRequest, Sample
 from rolloutpipe.broker.keys import DATA, Keys, one_slot
 from rolloutpipe.errors import CodecError, RolloutPipeError
-from rolloutpipe.tools.ops import PAGE, compact
+from rolloutpipe.tools.view import PAGE, compact
 
 REPLAYABLE = ("requests", "samples", "groups", "control")
 EXPECTED_KINDS = {
