@@ -28,9 +28,9 @@ from rolloutpipe.engines.base import Generation, Preemptible
 from rolloutpipe.engines.vllm_engine import VllmEngine, continuation_seed
 from rolloutpipe.model.lm import EOS, ensure_model
 from rolloutpipe.model.weights import publish_weights
-from tests.conftest import make_config
-from tests.vllm.test_vllm_engine import ATOL, ENGINE, PROMPTS, Reference, perturbed
-from tests.vllm.test_vllm_engine import request as make_request
+from tests.support.config import make_config
+from tests.support.vllm_reference import ATOL, ENGINE, PROMPTS, Reference, perturbed
+from tests.support.vllm_reference import request as make_request
 
 pytestmark = [
     pytest.mark.vllm,
