@@ -207,7 +207,7 @@ def one_slot(keys: Keys, names: Sequence[str]) -> None:
     """Raise ``CrossSlotError`` unless every key is the run's (``rp:{run}:…``, so in its one slot).
 
     A script or MULTI runs on one Redis Cluster node, so all its keys must hash to one slot; the
-    run's hash tag puts every key of ``Keys`` there.  ``tests/test_cluster.py`` checks the slot of
+    run's hash tag puts every key of ``Keys`` there.  ``tests/e2e/test_cluster.py`` checks the slot of
     every key each Broker write touches.
     """
     bad = [n for n in names if not n.startswith(keys.prefix)]

@@ -129,7 +129,7 @@ def test_mixed_sizes_train_the_tiny_model_as_one_batch_per_minibatch(
         "rollout.max_new_tokens=3", f"model.cache_dir={model_cache}",
         # biased std: the data this fp32 1e-5 tolerance was set on.  With the unbiased default the
         # larger advantages make AdamW magnify fp32 rounding on near-zero gradients to 2.1e-5; the
-        # maths of every option is checked in float64 by tests/test_same_maths.py (~1e-13)
+        # maths of every option is checked in float64 by tests/e2e/test_same_maths.py (~1e-13)
         "trainer.adv_std=biased",
     )  # fmt: skip
     out = Path(cfg.out)

@@ -121,8 +121,9 @@ def test_keys_of_a_run_share_its_slot_and_a_foreign_key_is_refused() -> None:
 async def test_every_write_runs_on_the_cluster_within_its_runs_slot(
     write: str, redis_cluster: LocalCluster, car: aioredis.Redis, run_name: str
 ) -> None:
-    """Each Broker write (the ``test_lost_replies`` cases) on the cluster: it does what it should,
-    and every command it sent names only keys of its run's slot, as Redis itself reads them."""
+    """Each Broker write (the lost-replies cases, ``tests/support/writes.py``) on the cluster: it does
+    what it should, and every command it sent names only keys of its run's slot, as Redis itself
+    reads them."""
     b = Broker(car, run_name, "test")
     sent: list[tuple[Any, ...]] = []
     real = car.execute_command

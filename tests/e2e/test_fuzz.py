@@ -1,7 +1,7 @@
 """Fuzzing: 10,000 mutated events at every decoder and at every role's entry handler.
 
-``tests/test_codec.py`` throws random bytes and light mutations at ``decode`` as a whole.  Here each
-event kind gets its own 10,000 mutations of a valid encoding: bit flips, truncation, spliced bytes,
+``tests/unit/test_codec.py`` throws random bytes and light mutations at ``decode`` as a whole.  Here
+each event kind gets its own 10,000 mutations of a valid encoding: bit flips, truncation, spliced bytes,
 fields deleted, duplicated (a msgpack map with the key twice) or given the wrong type, huge
 length headers, NaN and infinities, negative sizes, packed arrays of the wrong dtype or length, in
 nested samples and frontiers too.  Then the same mutations go through each role's entry handler,

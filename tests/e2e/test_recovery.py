@@ -293,7 +293,7 @@ async def test_controller_killed_mid_fgd_release_releases_exactly_the_rest(
     # The "kill", between two release batches (each batch is one MULTI, so a SIGKILL leaves the same
     # state).  Stopped through its stop event, not Task.cancel(): on Python 3.11 a cancel that
     # races with a timeout inside the Redis client can be swallowed, and the task would go on.
-    # Real SIGKILLs of the controller at random moments are in tests/test_chaos.py.
+    # Real SIGKILLs of the controller at random moments are in tests/e2e/test_chaos.py.
     stop_first.set()
     await asyncio.wait_for(first, 10)
     before = await released()

@@ -25,9 +25,8 @@ from rolloutpipe.broker.events import Group
 from rolloutpipe.broker.streams import Keys
 from rolloutpipe.launch.cluster import Cluster
 from rolloutpipe.model.weights import WEIGHTS_FILE, sha256_file
+from tests.support.cluster import Driver, stop_cluster
 from tests.support.config import ROOT, make_config
-
-from .test_exactly_once import Driver, stop_cluster
 
 DENY = ROOT / "tests" / "support" / "deny_path.py"
 

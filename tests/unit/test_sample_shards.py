@@ -3,7 +3,7 @@
 Pinned here, on the real Redis of the session: the routing (every sample and allocation of a group
 on one shard, the same in every process), the guard against roles that split differently, the
 aggregator's refusal of a sample that reached the wrong shard, trimming of every shard, and the
-stream names ``tail`` takes.  ``tests/test_chaos.py`` SIGKILLs the aggregator of each shard.
+stream names ``tail`` takes.  ``tests/e2e/test_chaos.py`` SIGKILLs the aggregator of each shard.
 """
 
 from __future__ import annotations

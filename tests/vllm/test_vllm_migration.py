@@ -166,13 +166,6 @@ async def greedy(engines: tuple[VllmEngine, VllmEngine]) -> Generation:
     return g
 
 
-def test_continuation_seed() -> None:
-    assert continuation_seed(7, 0) == 7  # segment 0: the request's own seed
-    assert continuation_seed(7, 24) == continuation_seed(7, 24)  # any worker draws the same
-    seeds = {continuation_seed(s, n) for s in (-1, 0, 7, 2**70) for n in (1, 2, 24)}
-    assert len(seeds) == 12 and all(0 <= s < 2**63 for s in seeds)
-
-
 class TestMigration:
     async def test_preempt_of_a_request_not_running_is_false(
         self, engines: tuple[VllmEngine, VllmEngine], greedy: Generation
