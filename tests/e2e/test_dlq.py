@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import redis
 
@@ -25,17 +24,13 @@ from rolloutpipe.broker.streams import DATA, Broker, Entry, Keys
 from rolloutpipe.roles.aggregator import Aggregator
 from rolloutpipe.tools import dlq
 from tests.support.config import EMULATED_FAST, ROOT, make_config
+from tests.support.events import step_sample
 
 GARBAGE = b"\xc1\xc1 not msgpack \x00\xff"
 
 
 def _sample(run: str, step: int = 3) -> Sample:
-    return Sample(
-        run=run, step=step, policy_version=step, sample_id=f"{step}:0:1", request_id=f"{step}:0:1",
-        group_id=f"{step}:0", prompt_index=0, sample_index=1, worker="w0",
-        prompt_ids=np.arange(5, dtype=np.int32), response_ids=np.arange(40, dtype=np.int32),
-        logprobs=np.full(40, -0.5, dtype=np.float32), reward=1.0, admitted_at=1.0, finished_at=2.0,
-    )  # fmt: skip
+    return step_sample(run, step, f"{step}:0", 1, n_resp=40)
 
 
 def _request(run: str, version: int) -> RolloutRequest:

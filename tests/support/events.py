@@ -1,8 +1,9 @@
 """Event factories the tests share: one valid event of each kind, and small groups and samples.
 
-Three sets, each pinned by the tests that use it: ``make_*`` (every field set, odd values: the
-codec's round trips), the lost-replies set (``sample``/``group``… of a run, at a step, with a group
-id: the per-write cases of ``writes.py``), and ``tiny_sample``/``tiny_group`` (the wire doc's bytes).
+Each set is pinned by the tests that use it: ``make_*`` (every field set, odd values: the codec's
+round trips), ``step_sample`` (fixed arrays: the aggregator and dead-letter tests), the lost-replies
+set (``sample``/``group``… of a run, at a step, with a group id: the per-write cases of
+``writes.py``), and ``tiny_sample``/``tiny_group`` (the wire doc's bytes).
 """
 
 from __future__ import annotations
@@ -113,6 +114,33 @@ def make_dead_letter() -> DeadLetter:
     return DeadLetter(
         run=RUN, step=-1, policy_version=-1, source_stream="rp:{x}:samples", entry_id="1-0",
         role="aggregator", reason="decode: not msgpack", payload=b"\x00\xffgarbage\xc1", created_at=14.0,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------ a sample of a step, fixed arrays
+
+
+def step_sample(
+    run: str,
+    step: int,
+    gid: str,
+    i: int,
+    *,
+    sample_id: str | None = None,
+    prompt_index: int = 0,
+    worker: str = "w0",
+    n_resp: int = 8,
+    reward: float = 1.0,
+) -> Sample:
+    """Sample ``i`` of group ``gid`` at ``step`` (policy version ``step``): prompt ``arange(5)``,
+    ``n_resp`` response tokens at logprob -0.5, admitted at 1.0 and finished at 2.0; its sample and
+    request id are ``sample_id`` or ``gid:i``."""
+    sid = sample_id or f"{gid}:{i}"
+    return Sample(
+        run=run, step=step, policy_version=step, sample_id=sid, request_id=sid, group_id=gid,
+        prompt_index=prompt_index, sample_index=i, worker=worker, prompt_ids=np.arange(5, dtype=np.int32),
+        response_ids=np.arange(n_resp, dtype=np.int32), logprobs=np.full(n_resp, -0.5, dtype=np.float32),
+        reward=reward, admitted_at=1.0, finished_at=2.0,
     )  # fmt: skip
 
 

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import redis.asyncio.client as aclient
 
@@ -22,18 +21,15 @@ from rolloutpipe.broker.events import Group, GroupPlan, PolicyVersion, Sample, S
 from rolloutpipe.broker.streams import DATA, Broker, Groups
 from rolloutpipe.roles.aggregator import Aggregator
 from tests.support.config import EMULATED_FAST, make_config
+from tests.support.events import step_sample
 
 STEP, GROUPS, G = 0, 8, 8
 
 
 def _sample(run: str, g: int, i: int) -> Sample:
-    return Sample(
-        run=run, step=STEP, policy_version=STEP, sample_id=f"{g}:{i}", request_id=f"{g}:{i}",
-        group_id=f"{STEP}:{g}", prompt_index=g, sample_index=i, worker="w0",
-        prompt_ids=np.arange(5, dtype=np.int32), response_ids=np.arange(8, dtype=np.int32),
-        logprobs=np.full(8, -0.5, dtype=np.float32), reward=float((g + i) % 2), admitted_at=1.0,
-        finished_at=2.0,
-    )  # fmt: skip
+    return step_sample(
+        run, STEP, f"{STEP}:{g}", i, sample_id=f"{g}:{i}", prompt_index=g, reward=float((g + i) % 2)
+    )
 
 
 class RoundTrips:

@@ -11,23 +11,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.events import DeadLetter, GroupPlan, PolicyVersion, Sample, StepPlan
 from rolloutpipe.broker.streams import DATA, Broker, Groups
 from rolloutpipe.broker.trim import drop_old_steps
 from rolloutpipe.roles.aggregator import Aggregator
 from tests.support.config import EMULATED_FAST, make_config
+from tests.support.events import step_sample
 
 
 def _sample(run: str, step: int) -> Sample:
-    return Sample(
-        run=run, step=step, policy_version=step, sample_id=f"{step}:0:1", request_id=f"{step}:0:1",
-        group_id=f"{step}:0", prompt_index=0, sample_index=1, worker="back-from-lunch",
-        prompt_ids=np.arange(5, dtype=np.int32), response_ids=np.arange(8, dtype=np.int32),
-        logprobs=np.full(8, -0.5, dtype=np.float32), reward=1.0, admitted_at=1.0, finished_at=2.0,
-    )  # fmt: skip
+    return step_sample(run, step, f"{step}:0", 1, worker="back-from-lunch")
 
 
 def _plan(run: str, step: int) -> StepPlan:
