@@ -12,7 +12,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-core test-deepspeed test-vllm test-compose lint bench clean
+.PHONY: setup demo test test-core test-unit test-deepspeed test-vllm test-compose lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ test: lint test-core test-deepspeed test-vllm test-compose
 
 test-core: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# tests/unit only: no role process, no run (a few minutes); tests/e2e has the rest.
+test-unit: setup
+	$(BIN)/python -m pytest -q tests/unit
 
 test-deepspeed:
 	PYTHON=$(PYTHON) bash scripts/test-deepspeed.sh

@@ -29,5 +29,5 @@ if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$KEY" ]]; then
   echo "built $VENV in $(($(date +%s) - start)) s" >&2
 fi
 
-# RP_SUITE: a deepspeed that does not import in this venv fails the run (tests/conftest.py engine_suite)
+# RP_SUITE: a deepspeed that does not import in this venv fails the run (tests/support/config.py engine_suite)
 RP_SUITE=deepspeed exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/deepspeed "$@"

@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-vllm-venv.sh
-# RP_SUITE: a vllm that does not import in this venv fails the run (tests/conftest.py engine_suite)
+# RP_SUITE: a vllm that does not import in this venv fails the run (tests/support/config.py engine_suite)
 RP_SUITE=vllm exec "${VLLM_VENV:-.venv-vllm}/bin/python" -m pytest tests/vllm -q -p no:cacheprovider "$@"

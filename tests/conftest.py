@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
-import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,35 +14,9 @@ import redis.asyncio as aioredis
 from rolloutpipe.broker.connect import connect
 from rolloutpipe.broker.embedded import EmbeddedRedis
 from rolloutpipe.broker.streams import Broker
-from rolloutpipe.config import Config, load_config
-
-ROOT = Path(__file__).resolve().parent.parent
-
+from tests.support.config import ci
 
 # ------------------------------------------------------------------------------------ no silent skips
-
-
-def engine_suite(module: str) -> list[str]:
-    """``collect_ignore_glob`` for an engine's test folder (``tests/deepspeed``, ``tests/vllm``).
-
-    Its script (``scripts/test-deepspeed.sh``, ``scripts/test-vllm.sh``) runs it in the engine's
-    own venv with ``RP_SUITE=<module>``: there an engine that cannot be imported stops the run with
-    an error, instead of skipping every test.  Elsewhere (the core suite in ``.venv``) the folder is
-    not collected unless the engine happens to be installed.
-    """
-    if os.environ.get("RP_SUITE") == module:
-        try:
-            importlib.import_module(module)
-        except Exception as e:  # ImportError, or an engine that fails while importing
-            raise pytest.UsageError(
-                f"RP_SUITE={module}: {module} cannot be imported by {sys.executable}: {type(e).__name__}: {e}"
-            ) from e
-        return []
-    return [] if importlib.util.find_spec(module) is not None else ["test_*.py"]
-
-
-def _ci() -> bool:
-    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -61,7 +31,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     why = ""
     if skipped and ran == 0:
         why = f"every test skipped ({len(skipped)})"
-    elif skipped and _ci():
+    elif skipped and ci():
         why = f"{len(skipped)} test(s) skipped under CI=true"
     if why:
         tr.ensure_newline()
@@ -115,33 +85,11 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
     return env or str(tmp_path_factory.mktemp("models"))
 
 
-def make_config(tmp_path: Path, run: str, *overrides: str, base: str = "configs/demo.yaml") -> Config:
-    return load_config(ROOT / base, [f"run={run}", f"out={tmp_path / run}", *overrides], environ={})
-
-
-EMULATED_FAST = (
-    "rollout.engine=emulated",
-    "trainer.backend=emulated",
-    "rollout.workers=2",
-    "rollout.emulated.max_num_seqs=16",
-    "rollout.emulated.length_median=200",
-    "rollout.emulated.length_sigma=0.8",
-    "rollout.emulated.max_response_tokens=2000",
-    "rollout.emulated.time_scale=0.01",
-    "trainer.emulated.time_scale=0.01",
-    "trainer.emulated.tokens_per_s=20000",
-    "controller.prompts_per_step=8",
-    "controller.group_size=4",
-    "controller.minibatches=2",
-    "rollout.claim_idle_s=2.0",
-    "rollout.heartbeat_s=0.3",
-)
-
-
 @pytest.fixture(scope="session")
 def redis_cluster() -> Iterator[Any]:
-    """A local Redis Cluster (3 masters, one replica each) for the session: ``tests/rediscluster.py``."""
-    from tests.rediscluster import LocalCluster
+    """A local Redis Cluster (3 masters, one replica each) for the session:
+    ``tests/support/rediscluster.py``."""
+    from tests.support.rediscluster import LocalCluster
 
     lc = LocalCluster().start()
     try:

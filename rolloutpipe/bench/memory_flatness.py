@@ -2,7 +2,7 @@
 
     python -m rolloutpipe.bench.memory_flatness --steps 200 --every 10 --out runs/memory
 
-Runs the emulated engine and trainer (the fast settings of ``tests/conftest.py``) for ``--steps``
+Runs the emulated engine and trainer (the fast settings of ``tests/support/config.py``) for ``--steps``
 steps against a private redis-server, every role its own process (``rolloutpipe.launch.cluster``), samples
 ``INFO memory`` and ``/proc/PID/status`` VmRSS of each role each time the policy version passes a
 multiple of ``--every``, prints a table and the growth from the ``--from-step`` point to the end (%
@@ -30,7 +30,7 @@ from rolloutpipe.broker.keys import Keys
 from rolloutpipe.config import Config, load_config
 from rolloutpipe.launch.cluster import run_cluster
 
-FAST = (  # tests/conftest.py EMULATED_FAST
+FAST = (  # tests/support/config.py EMULATED_FAST
     "rollout.engine=emulated",
     "trainer.backend=emulated",
     "rollout.workers=2",

@@ -2,7 +2,7 @@
 
 One source for both deployments: ``rolloutpipe run`` starts its private redis-server with these
 users and fresh random passwords, and ``docker-compose.yml`` spells the same rules out in its
-``redis`` command (``tests/test_compose.py`` checks that the two agree).  ``~`` is read and write,
+``redis`` command (``tests/e2e/test_compose.py`` checks that the two agree).  ``~`` is read and write,
 ``%R~`` read only; ``rp:*:`` matches every run's ``rp:{run}:`` namespace.
 
 * ``controller`` writes ``requests``, plans, allocations (``alloc``, ``closed``, on ``samples``),
@@ -92,7 +92,7 @@ def server_args(passwords: dict[str, str], admin_password: str = "", sealed_defa
     ``default`` only while it has ``nopass``), but Redis 7.0 replays its AOF as the default user and
     checks each ``EXEC`` against it: with the default user off it drops every transaction of the AOF
     (``-NOPERM ... after processing the command 'exec'`` in its log), and a restarted or resumed run
-    would lose its versions, plans and commits (tests/test_run_supervision.py).
+    would lose its versions, plans and commits (tests/e2e/test_run_supervision.py).
     """
     if sealed_default:
         args = ["--user", "default", "on", f">{sealed_default}", "~*", "&*", "+@all"]

@@ -92,7 +92,7 @@ class EmbeddedRedis:
         """``dir`` holds the AOF (kept after ``stop()``); ``port`` 0 picks a free one.
 
         A server started again with the same ``dir`` (and ``port``) replays the AOF: streams,
-        consumer groups, pending entries and keys come back (``tests/test_durability.py``).
+        consumer groups, pending entries and keys come back (``tests/e2e/test_durability.py``).
         """
         self.appendonly = appendonly
         self.appendfsync = appendfsync

@@ -2,7 +2,7 @@
 
 Every key of a run lives under ``rp:{run}:`` (one Redis Cluster slot per run); a shared rollout
 pool's under ``rp:{pool:NAME}:``.  Other modules import these names (``Keys``, ``Groups``, ``DATA``)
-instead of spelling them; ``tests/test_wire_doc.py`` checks docs/architecture.md's key table
+instead of spelling them; ``tests/unit/test_wire_doc.py`` checks docs/architecture.md's key table
 against ``Keys``.
 """
 
@@ -136,7 +136,7 @@ def one_slot(keys: Keys, names: Sequence[str]) -> None:
     """Raise ``CrossSlotError`` unless every key is the run's (``rp:{run}:…``, so in its one slot).
 
     A script or MULTI runs on one Redis Cluster node, so all its keys must hash to one slot; the
-    run's hash tag puts every key of ``Keys`` there.  ``tests/test_cluster.py`` checks the slot of
+    run's hash tag puts every key of ``Keys`` there.  ``tests/e2e/test_cluster.py`` checks the slot of
     every key each Broker write touches.
     """
     bad = [n for n in names if not n.startswith(keys.prefix)]

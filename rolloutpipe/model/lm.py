@@ -266,7 +266,7 @@ def response_logprobs_entropy(
     seqs = [np.concatenate([p, r]) for p, r in zip(prompts, responses, strict=True)]
     ids, mask = pad_right(seqs)
     logits = model(input_ids=ids, attention_mask=mask).logits
-    # at least fp32 (a bf16 model's logits are upcast); an fp64 model stays fp64 (tests/test_same_maths)
+    # at least fp32 (a bf16 model's logits are upcast); an fp64 model stays fp64 (tests/e2e/test_same_maths)
     logits = (logits if logits.dtype == torch.float64 else logits.float()) / temperature
     logp_all = torch.log_softmax(logits[:, :-1], dim=-1)
     tok_logp = logp_all.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [B, L-1]

@@ -38,9 +38,9 @@ from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.events import GroupPlan, StepPlan
 from rolloutpipe.broker.keys import DATA, Keys
 from rolloutpipe.config import Config
-from tests.conftest import ROOT, make_config
 from tests.deepspeed.ds_groups import GPM, GROUPS, G, make_groups, minibatches
-from tests.helpers import load_weights, max_abs_diff, step_metrics, version
+from tests.support.config import ROOT, make_config
+from tests.support.helpers import load_weights, max_abs_diff, step_metrics, version
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.timeout(600)]
 

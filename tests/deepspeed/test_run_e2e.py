@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.support.config import ROOT
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.timeout(600)]
 

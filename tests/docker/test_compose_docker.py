@@ -43,8 +43,8 @@ import yaml
 
 from rolloutpipe.broker.keys import Keys
 from rolloutpipe.config import load_config
-from tests.conftest import ROOT, _ci
-from tests.helpers import audit_group_log, version
+from tests.support.config import ROOT, ci
+from tests.support.helpers import audit_group_log, version
 
 COMPOSE = ROOT / "docker-compose.yml"
 BASE = "rolloutpipe-base:bookworm"  # scripts/docker-base.sh's default
@@ -121,7 +121,7 @@ def docker_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int | No
             proc = None
     if why:
         msg = f"docker-compose.yml cannot run in containers here: {why}"
-        if _ci():
+        if ci():
             pytest.fail(msg + "  (CI must run it: .ci/run installs docker.io; dockerd needs root)")
         pytest.skip(msg)
     try:

@@ -31,10 +31,11 @@ from rolloutpipe.config import Config
 from rolloutpipe.engines import make_engine
 from rolloutpipe.engines.vllm_engine import VllmEngine
 from rolloutpipe.errors import WeightsVerificationError
-from rolloutpipe.model.lm import ensure_model, load_model, response_logprobs
+from rolloutpipe.model.lm import ensure_model
 from rolloutpipe.model.tokenizer import EOS, CharTokenizer
-from rolloutpipe.model.weights import WEIGHTS_FILE, publish_weights
-from tests.conftest import ROOT, make_config
+from rolloutpipe.model.weights import publish_weights
+from tests.support.config import ROOT, make_config
+from tests.support.vllm_reference import ATOL, ENGINE, PROMPTS, Reference, corrupt, perturbed, request
 
 pytestmark = [
     pytest.mark.vllm,
@@ -44,91 +45,11 @@ pytestmark = [
     ),
 ]
 
-# fp32 on both sides; vLLM's CPU kernels and torch's differ by ~1e-6 in the logprobs.
-ATOL = 1e-4
-ENGINE = (
-    "rollout.engine=vllm",
-    "rollout.max_concurrency=8",
-    "rollout.max_new_tokens=8",
-    "rollout.vllm.dtype=float32",
-    "rollout.vllm.enforce_eager=true",  # skips torch.compile: a much faster start on CPU
-    "rollout.vllm.kv_cache_space_gib=1",
-    "rollout.heartbeat_s=0.3",
-    "controller.mode=cgp-fgd",
-)
-PROMPTS = ["1+2=", "7+8=", "3*4=", "9-5="]
 CODEC = CharTokenizer()
 
 
 def vllm_config(tmp: Path, run: str, model_cache: str) -> Config:
     return make_config(tmp, run, f"model.cache_dir={model_cache}", *ENGINE)
-
-
-def perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    """Weights far enough from ``state`` that greedy outputs and logprobs change."""
-    g = torch.Generator().manual_seed(seed)
-    return {k: v + 0.5 * torch.randn(v.shape, generator=g) for k, v in state.items()}
-
-
-def corrupt(pv: PolicyVersion) -> None:
-    """Flip one byte of the tensor data: still loadable, silently wrong, caught only by sha256."""
-    f = Path(pv.path) / WEIGHTS_FILE
-    b = bytearray(f.read_bytes())
-    b[-10] ^= 0xFF
-    f.write_bytes(bytes(b))
-
-
-def request(run: str, version: int, name: str, prompt: str, temperature: float, seed: int) -> RolloutRequest:
-    return RolloutRequest(
-        run=run,
-        step=version,
-        policy_version=version,
-        request_id=f"{name}:0",
-        group_id=name,
-        prompt_index=0,
-        sample_index=0,
-        prompt=prompt,
-        answer="0",
-        seed=seed,
-        max_new_tokens=8,
-        temperature=temperature,
-        released_at=time.time(),
-    )
-
-
-class Reference:
-    """A transformers forward of given weights: greedy decoding and per-token logprobs."""
-
-    def __init__(self, path: Path) -> None:
-        self.model: Any = load_model(path)
-
-    def load(self, state: dict[str, torch.Tensor]) -> Reference:
-        self.model.load_state_dict(state, strict=True)
-        return self
-
-    @torch.no_grad()
-    def greedy(self, prompt_ids: np.ndarray, n: int = 8) -> np.ndarray:
-        ids, out = [int(i) for i in prompt_ids], []
-        for _ in range(n):
-            tok = int(self.model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
-            out.append(tok)
-            ids.append(tok)
-            if tok == EOS:
-                break
-        return np.asarray(out, np.int32)
-
-    @torch.no_grad()
-    def logprobs(self, prompt_ids: np.ndarray, response: np.ndarray, temperature: float) -> np.ndarray:
-        lp, _ = response_logprobs(self.model, [prompt_ids], [response], temperature)
-        out: np.ndarray = lp[0, : len(response)].numpy()
-        return out
-
-    def check(self, prompt_ids: np.ndarray, response: np.ndarray, logprobs: np.ndarray, t: float) -> None:
-        """Greedy (t == 0): same tokens, logprobs of log_softmax(logits); else those of logits / t."""
-        assert logprobs.dtype == np.float32 and logprobs.shape == response.shape
-        if t == 0:
-            np.testing.assert_array_equal(response, self.greedy(prompt_ids))
-        np.testing.assert_allclose(logprobs, self.logprobs(prompt_ids, response, t or 1.0), atol=ATOL)
 
 
 @pytest.fixture(scope="module")

@@ -29,9 +29,9 @@ from rolloutpipe.engines.vllm_engine import VllmEngine, continuation_seed
 from rolloutpipe.model.lm import ensure_model
 from rolloutpipe.model.tokenizer import EOS
 from rolloutpipe.model.weights import publish_weights
-from tests.conftest import make_config
-from tests.vllm.test_vllm_engine import ATOL, ENGINE, PROMPTS, Reference, perturbed
-from tests.vllm.test_vllm_engine import request as make_request
+from tests.support.config import make_config
+from tests.support.vllm_reference import ATOL, ENGINE, PROMPTS, Reference, perturbed
+from tests.support.vllm_reference import request as make_request
 
 pytestmark = [
     pytest.mark.vllm,
@@ -165,13 +165,6 @@ async def greedy(engines: tuple[VllmEngine, VllmEngine]) -> Generation:
     assert len(g.response_ids) == N and g.finish_reason == "length"  # checked, not assumed
     assert EOS not in g.response_ids
     return g
-
-
-def test_continuation_seed() -> None:
-    assert continuation_seed(7, 0) == 7  # segment 0: the request's own seed
-    assert continuation_seed(7, 24) == continuation_seed(7, 24)  # any worker draws the same
-    seeds = {continuation_seed(s, n) for s in (-1, 0, 7, 2**70) for n in (1, 2, 24)}
-    assert len(seeds) == 12 and all(0 <= s < 2**63 for s in seeds)
 
 
 class TestMigration:

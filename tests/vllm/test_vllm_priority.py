@@ -30,9 +30,9 @@ from rolloutpipe.errors import ConfigError
 from rolloutpipe.model.lm import ensure_model, load_model
 from rolloutpipe.model.tokenizer import EOS
 from rolloutpipe.model.weights import publish_weights
-from tests.conftest import make_config
-from tests.vllm.test_vllm_engine import ENGINE, PROMPTS, perturbed
-from tests.vllm.test_vllm_engine import request as make_request
+from tests.support.config import make_config
+from tests.support.vllm_reference import ENGINE, PROMPTS, perturbed
+from tests.support.vllm_reference import request as make_request
 
 pytestmark = [
     pytest.mark.vllm,

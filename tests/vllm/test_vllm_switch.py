@@ -46,8 +46,8 @@ from rolloutpipe.errors import WeightsVerificationError
 from rolloutpipe.model.lm import decode_batch, ensure_model, load_model, sampler
 from rolloutpipe.model.tokenizer import EOS, CharTokenizer
 from rolloutpipe.model.weights import publish_weights
-from tests.conftest import make_config
-from tests.vllm.test_vllm_engine import ATOL, ENGINE, PROMPTS, corrupt, perturbed, request
+from tests.support.config import make_config
+from tests.support.vllm_reference import ATOL, ENGINE, PROMPTS, corrupt, perturbed, request
 
 pytestmark = [
     pytest.mark.vllm,
