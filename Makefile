@@ -12,7 +12,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-core test-unit test-deepspeed test-vllm test-compose lint bench clean
+.PHONY: setup demo test test-core test-unit test-load test-deepspeed test-vllm test-compose lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,9 @@ test-core: setup
 # tests/unit only: no role process, no run (a few minutes); tests/e2e has the rest.
 test-unit: setup
 	$(BIN)/python -m pytest -q tests/unit
+
+test-load: setup
+	VENV=$(VENV) bash scripts/test-load.sh
 
 test-deepspeed:
 	PYTHON=$(PYTHON) bash scripts/test-deepspeed.sh
