@@ -59,6 +59,26 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 # the CLI flags a suite may refuse: the positional config, dotted overrides, --steps, --scale, --quick
 FLAGS = ("config", "overrides", "steps", "scale", "quick")
 
+# A fast emulated run (two workers, 8 prompts x 4 a step, two mini-batches, time 100x faster): the
+# overrides the tests and ``memory_flatness`` run ``configs/demo.yaml`` with.
+EMULATED_FAST = (
+    "rollout.engine=emulated",
+    "trainer.backend=emulated",
+    "rollout.workers=2",
+    "rollout.emulated.max_num_seqs=16",
+    "rollout.emulated.length_median=200",
+    "rollout.emulated.length_sigma=0.8",
+    "rollout.emulated.max_response_tokens=2000",
+    "rollout.emulated.time_scale=0.01",
+    "trainer.emulated.time_scale=0.01",
+    "trainer.emulated.tokens_per_s=20000",
+    "controller.prompts_per_step=8",
+    "controller.group_size=4",
+    "controller.minibatches=2",
+    "rollout.claim_idle_s=2.0",
+    "rollout.heartbeat_s=0.3",
+)
+
 
 def flatten(d: dict[str, Any], prefix: str = "") -> list[str]:
     """``{"a": {"b": 1}}`` -> ``["a.b=1"]`` (config overrides)."""

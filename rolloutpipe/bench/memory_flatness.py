@@ -22,31 +22,13 @@ from typing import Any
 
 import redis
 
-from rolloutpipe.bench.harness import CONFIGS
+from rolloutpipe.bench.harness import CONFIGS, EMULATED_FAST
 from rolloutpipe.broker.codec import DEFAULT_CODEC
 from rolloutpipe.broker.embedded import EmbeddedRedis
 from rolloutpipe.broker.events import PolicyVersion
 from rolloutpipe.broker.keys import Keys
 from rolloutpipe.config import Config, load_config
 from rolloutpipe.launch.cluster import run_cluster
-
-FAST = (  # tests/support/config.py EMULATED_FAST
-    "rollout.engine=emulated",
-    "trainer.backend=emulated",
-    "rollout.workers=2",
-    "rollout.emulated.max_num_seqs=16",
-    "rollout.emulated.length_median=200",
-    "rollout.emulated.length_sigma=0.8",
-    "rollout.emulated.max_response_tokens=2000",
-    "rollout.emulated.time_scale=0.01",
-    "trainer.emulated.time_scale=0.01",
-    "trainer.emulated.tokens_per_s=20000",
-    "controller.prompts_per_step=8",
-    "controller.group_size=4",
-    "controller.minibatches=2",
-    "rollout.claim_idle_s=2.0",
-    "rollout.heartbeat_s=0.3",
-)
 
 
 @dataclass
@@ -212,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     cfg = load_config(
         CONFIGS / "demo.yaml",
-        ["run=memory", f"out={out}", *FAST, f"controller.steps={a.steps}", *a.overrides],
+        ["run=memory", f"out={out}", *EMULATED_FAST, f"controller.steps={a.steps}", *a.overrides],
         environ={},
     )
     t0 = time.monotonic()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from rolloutpipe.bench.harness import EMULATED_FAST as EMULATED_FAST  # the tests import it from here
 from rolloutpipe.config import Config, load_config
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -44,22 +45,3 @@ def ci() -> bool:
 
 def make_config(tmp_path: Path, run: str, *overrides: str, base: str = "configs/demo.yaml") -> Config:
     return load_config(ROOT / base, [f"run={run}", f"out={tmp_path / run}", *overrides], environ={})
-
-
-EMULATED_FAST = (
-    "rollout.engine=emulated",
-    "trainer.backend=emulated",
-    "rollout.workers=2",
-    "rollout.emulated.max_num_seqs=16",
-    "rollout.emulated.length_median=200",
-    "rollout.emulated.length_sigma=0.8",
-    "rollout.emulated.max_response_tokens=2000",
-    "rollout.emulated.time_scale=0.01",
-    "trainer.emulated.time_scale=0.01",
-    "trainer.emulated.tokens_per_s=20000",
-    "controller.prompts_per_step=8",
-    "controller.group_size=4",
-    "controller.minibatches=2",
-    "rollout.claim_idle_s=2.0",
-    "rollout.heartbeat_s=0.3",
-)
