@@ -37,9 +37,10 @@ from rolloutpipe.broker.events import (
     StepMetrics,
     StepPlan,
 )
-from rolloutpipe.broker.keys import DATA, Groups, Keys
+from rolloutpipe.broker.keys import DATA, Groups, Keys, as_str
 from rolloutpipe.broker.streams import Broker
-from tests.support.events import group, request, sample, stats
+from tests.support.config import make_config
+from tests.support.events import group, plan, request, sample, stats, version
 from tests.support.faultproxy import FaultProxy
 from tests.support.writes import WRITES, pending, pending_entry
 
@@ -282,3 +283,85 @@ async def test_a_second_call_is_not_a_replay(broker: Broker, ar: aioredis.Redis)
     await broker.incr("trim_errors")
     (op,) = [key async for key in ar.scan_iter(match=k.op("*"))]
     assert 0 < await ar.ttl(op) <= once.OP_TTL_S
+
+
+# ----------------------------------------------------------- 3. the trainer's reader after a lost reply
+
+
+class _Drained:
+    """A stop event that reads set once ``queue`` is empty."""
+
+    def __init__(self, queue: asyncio.Queue[Any]) -> None:
+        self.queue = queue
+
+    def is_set(self) -> bool:
+        return self.queue.empty()
+
+
+async def _trainer_entries(broker: Broker, ar: aioredis.Redis, n: int) -> list[str]:
+    await broker.ensure_group(broker.keys.groups, Groups.TRAINER)
+    return [
+        as_str(await ar.xadd(broker.keys.groups, {DATA: broker.encode(group(broker.run, 0, f"0:{i}"))}))
+        for i in range(n)
+    ]
+
+
+async def test_a_commit_during_a_pending_sweep_never_brings_its_groups_back(
+    broker: Broker, ar: aioredis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Catches the race seen once in a healthy run (issue 31): the reader's sweep of its own pending
+    entries (``XREADGROUP … 0``, to pick up a lost read reply) lists step 0's groups; the step's
+    commit acknowledges them and drops them from ``queued_ids`` while that reply is on its way; the
+    sweep then takes them for never seen and queues them again, and step 1's fence dead-letters
+    groups that were trained.  Here the commit lands exactly inside the sweep's read."""
+    from rolloutpipe.roles.trainer import trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "PENDING_SWEEP_S", 0.0)  # sweep on every round
+    t = trainer_module.Trainer(make_config(tmp_path, broker.run), broker, object(), tmp_path)  # type: ignore[arg-type]
+    await broker.publish_version(version(broker.run, 1), None)  # step 0's weights are out already
+    ids = await _trainer_entries(broker, ar, 2)
+    read, reads, committed = broker.read, Counter[str](), asyncio.Event()
+
+    async def read_racing_the_commit(*args: Any, **kw: Any) -> list[Any]:
+        entries = await read(*args, **kw)
+        reads[kw.get("start", ">")] += 1
+        if kw.get("start") == "0" and entries and not committed.is_set():
+            await t.finish_commit(0, None, ["0:0", "0:1"], ids)  # while the sweep's reply is in flight
+            committed.set()
+        return entries
+
+    monkeypatch.setattr(broker, "read", read_racing_the_commit)
+    stop = asyncio.Event()
+    reader = asyncio.create_task(t._reader(stop))
+    await asyncio.wait_for(committed.wait(), 30)
+    swept = reads["0"]
+    while reads["0"] < swept + 2:  # two more sweeps after the commit
+        await asyncio.sleep(0.01)
+    stop.set()
+    await asyncio.wait_for(reader, 30)
+    queued = [t.queue.get_nowait().entry.id for _ in range(t.queue.qsize())]
+    assert sorted(queued) == sorted(ids)  # each group handed over once: none came back
+    assert await pending(ar, broker.keys.groups, Groups.TRAINER) == 0
+
+
+async def test_a_trained_group_read_again_in_a_later_step_is_a_duplicate_not_a_fence_rejection(
+    broker: Broker, ar: aioredis.Redis
+) -> None:
+    """Catches: a group of step 0, committed as consumed but whose entry is read again during step 1
+    (a lost reply, a sweep), dead-lettered by step 1's fence and counted as a fence rejection: it was
+    trained once, on-policy.  A stale group never trained is still rejected."""
+    from rolloutpipe.roles.trainer.step import Intake, Read
+
+    _trained, stale = await _trainer_entries(broker, ar, 2)
+    entries = await broker.read(broker.keys.groups, Groups.TRAINER, "trainer-0", count=2, block_ms=1)
+    await broker.commit_consumed(0, ["0:0"], [])  # step 0 trained 0:0; its entry is still pending
+    queue: asyncio.Queue[Read] = asyncio.Queue()
+    for e in entries:
+        queue.put_nowait(Read(e, DEFAULT_CODEC.decode(e.data), time.time()))  # type: ignore[arg-type]
+    intake = Intake(broker, queue, 1, plan(broker.run, 1), record=False)
+    assert [g async for g in intake.groups(_Drained(queue))] == []  # type: ignore[arg-type]
+    st = {as_str(k): int(v) for k, v in (await ar.hgetall(broker.keys.stats)).items()}
+    dlq = [DEFAULT_CODEC.decode(f[DATA]) for _i, f in await ar.xrange(broker.keys.dlq)]
+    assert st.get("duplicate_groups") == 1 and st.get("fence_rejections") == 1, st
+    assert [d.entry_id for d in dlq] == [stale]  # type: ignore[attr-defined]
+    assert await pending(ar, broker.keys.groups, Groups.TRAINER) == 0

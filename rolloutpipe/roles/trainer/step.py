@@ -152,18 +152,23 @@ class Intake:
         self.total = seal.n_groups
 
     async def _admit(self, item: Read, g: Group) -> bool:
-        """The fence, then the dedup; a group let through is the step's."""
+        """The fence, then the dedup; a group let through is the step's.
+
+        A group of an earlier step that step committed as consumed is a duplicate (its entry read
+        again, say after a lost read reply), not a fence rejection: it was trained, on-policy, once.
+        """
         try:
             self.fence.check(g)
         except StaleVersionError as e:
+            if g.step < self.step and g.group_id in await self.b.consumed(g.step):
+                await self._duplicate(item, g, f" (step {g.step})")
+                return False
             why = f"fence: {e}"
             await self.b.dead_letter(item.entry, why, step=self.step, policy_version=g.policy_version,
                                      counter="fence_rejections", ack_group=GROUP)  # fmt: skip
             return False
         if g.group_id in self.seen:
-            log.warning("group %s already consumed; acknowledging the duplicate", g.group_id)
-            await self.b.incr("duplicate_groups", step=self.step)
-            await self.b.ack(self.b.keys.groups, GROUP, item.entry.id)
+            await self._duplicate(item, g, "")
             return False
         self.seen.add(g.group_id)
         self.consumed.append(g.group_id)
@@ -171,6 +176,11 @@ class Intake:
         if self.record:
             self.trained.append(self.b.encode(g))
         return True
+
+    async def _duplicate(self, item: Read, g: Group, of: str) -> None:
+        log.warning("group %s%s already consumed; acknowledging the duplicate", g.group_id, of)
+        await self.b.incr("duplicate_groups", step=self.step)
+        await self.b.ack(self.b.keys.groups, GROUP, item.entry.id)
 
 
 # --------------------------------------------------------------------------------------- 2. schedule

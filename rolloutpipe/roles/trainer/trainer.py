@@ -53,6 +53,7 @@ class Trainer:
         self.weights_root = out / "weights"
         self.queue: asyncio.Queue[Read] = asyncio.Queue(maxsize=cfg.trainer.read_ahead_groups)
         self.queued_ids: set[str] = set()  # group entries handed to train_step (this process)
+        self.commits = 0  # commits whose entries left ``queued_ids``: a sweep spanning one is void
         self.ckpt_root = out / "checkpoints" / broker.run
         self.logs = [out / "metrics.jsonl"]  # appended at each commit; truncated back on resume
         if cfg.trainer.record_groups:
@@ -76,8 +77,13 @@ class Trainer:
                 # Entries delivered to us whose reply was lost (a connection dropped mid-read, a
                 # Redis restart) sit pending without our having seen them: pick them up again.
                 last_sweep = time.monotonic()
+                commits = self.commits
                 mine = await self.b.read(self.k.groups, GROUP, consumer, count=10_000, block_ms=1, start="0")
-                backlog = [e for e in mine if e.id not in self.queued_ids]
+                # A commit that acknowledged entries while this read's reply was on its way took them
+                # out of ``queued_ids`` although the reply still lists them as pending: trained groups
+                # would come back as "never seen" and hit the fence.  Drop such a sweep; the next
+                # one reads the pending list as it is after the commit.
+                backlog = [e for e in mine if e.id not in self.queued_ids] if commits == self.commits else []
                 if backlog:
                     log.warning("picked up %d pending groups never seen (a lost read reply)", len(backlog))
             entries = backlog or await self.b.read(
@@ -133,6 +139,7 @@ class Trainer:
             await self.publish(step + 1, m)
         await self.b.commit_consumed(step, consumed, entry_ids)
         self.queued_ids.difference_update(entry_ids)  # acknowledged: never pending again
+        self.commits += 1
 
     async def resume(self) -> int:
         """Reconcile the newest checkpoint with the published version; returns the step to train."""
