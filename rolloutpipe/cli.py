@@ -196,15 +196,18 @@ def _cfg(args: argparse.Namespace, extra: list[str]) -> Config:
 
 def check_task(cfg: Config) -> None:
     """Read the dataset (and its held-out split) once here, so that a bad file or field is one clear
-    error before any role starts, not a role that dies; rows without an answer are reported here.
+    error before any role starts, not a role that dies; rows without an answer, and prompts the model
+    cannot take (``task.max_prompt_length``), are reported here.
     The reward function is loaded and classified here too."""
+    from rolloutpipe.model.lm import prompt_measure
     from rolloutpipe.tasks.datasets import task_prompts
     from rolloutpipe.tasks.reward import check_verifier
 
     check_verifier(cfg.task)
-    task_prompts(cfg.task, cfg.task.num_prompts, cfg.task.seed)
+    measure = prompt_measure(cfg)
+    task_prompts(cfg.task, cfg.task.num_prompts, cfg.task.seed, measure=measure)
     if cfg.eval.every:
-        task_prompts(cfg.task, cfg.eval.num_prompts, cfg.eval.seed, split="eval")
+        task_prompts(cfg.task, cfg.eval.num_prompts, cfg.eval.seed, split="eval", measure=measure)
 
 
 def _preflight(cfg: Config, url: str) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -162,9 +163,19 @@ def targets(by_n: dict[str, dict[str, Any]]) -> str:
 
 
 def run_multiplex(
-    out: Path, overrides: list[str], *, url: str = "", progress: bool = True, quick: bool = False
+    out: Path,
+    overrides: list[str],
+    *,
+    url: str = "",
+    progress: bool = True,
+    quick: bool = False,
+    run_overrides: Sequence[Sequence[str]] = (),
 ) -> tuple[str, str]:
-    """Run the suite (``configs/bench/multiplex.yaml``); returns the table and where the results are."""
+    """Run the suite (``configs/bench/multiplex.yaml``); returns the table and where the results are.
+
+    ``run_overrides``: overrides for the i-th run of each setting only (after ``overrides``), e.g. runs of
+    unequal length, so that one is done while another still needs the pool.
+    """
     path = spec_path("multiplex")
     spec = load(path)
     base = path.parent / spec["hardware"]
@@ -196,8 +207,9 @@ def run_multiplex(
                     pool_over = [f"rollout.pool.name={pool}", "rollout.pool.runs=" + json.dumps(runs)]
                     cfgs = [
                         load_config(base, [*common, f"controller.mode={rm}", *MODES[mode], *pool_over,
-                                           f"run={run}", f"out={out / tag / run}"], environ={})
-                        for run in runs
+                                           f"run={run}", f"out={out / tag / run}",
+                                           *(run_overrides[i] if i < len(run_overrides) else ())], environ={})
+                        for i, run in enumerate(runs)
                     ]  # fmt: skip
                     sess.label(tag)
                     res = run_pool(cfgs, redis_url, out / tag, pool, workers)

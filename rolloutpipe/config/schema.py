@@ -64,6 +64,13 @@ class TaskConfig(_Section):
     metadata_key: str = ""
     num_prompts: int = 1000
     seed: int = 0
+    # The most tokens a prompt may have, counted with the model's tokenizer and chat template (verl's
+    # ``data.max_prompt_length``); 0: the model's context (``max_position_embeddings``).  A longer
+    # prompt is refused when the prompts load, before any role starts, unless
+    # ``filter_overlong_prompts`` (verl's name) drops it.  Checked for the engines that run the model
+    # (transformers, vllm), not for the emulated one or an ``engine_plugin``.
+    max_prompt_length: int = Field(default=0, ge=0)
+    filter_overlong_prompts: bool = False
     # Scoring runs off the worker's event loop: "inline" calls the verifier in the worker (for cheap
     # exact checks), "process" in a pool of ``verifier_processes`` processes where a call that takes
     # longer than ``verifier_timeout_s`` is killed and scores 0 (counted as ``verifier_timeouts``);

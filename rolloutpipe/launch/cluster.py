@@ -212,8 +212,9 @@ VERIFIER_WARN_SHARE = 0.5  # the share of a step's samples whose scoring failed 
 
 
 def _check_verifier(m: StepMetrics, cfg: Config, out: Path) -> int:
-    """Warn (or stop: ``task.verifier_failure_stop``) when a step's verifier mostly failed; returns
-    the step's failed scorings.  A failed scoring is a reward of 0, so such a step trains on noise."""
+    """Warn (or stop: ``task.verifier_failure_stop``) when a step's verifier mostly failed, and warn
+    of any timeout (each one costs up to ``task.verifier_timeout_s``); returns the step's failed
+    scorings.  A failed scoring is a reward of 0, so a step of mostly failures trains on noise."""
     failed = m.verifier_errors + m.verifier_timeouts
     share = failed / max(1, m.samples)
     if share >= VERIFIER_WARN_SHARE:
@@ -225,6 +226,12 @@ def _check_verifier(m: StepMetrics, cfg: Config, out: Path) -> int:
         if stop is not None and share >= stop:
             raise VerifierFailedError(f"{what}; stopping (task.verifier_failure_stop={stop})")
         log.warning("%s (task.verifier_failure_stop stops the run)", what)
+    elif m.verifier_timeouts:  # fewer, but each one held its sample up to the timeout
+        log.warning(
+            "step %d: the verifier timed out on %d of %d samples (task.verifier_timeout_s=%g s each), "
+            "scored 0; see %s/rollout-*.log",
+            m.step, m.verifier_timeouts, m.samples, cfg.task.verifier_timeout_s, out / "logs",
+        )  # fmt: skip
     return failed
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from rolloutpipe.config import ModelConfig
+from rolloutpipe.config import Config, ModelConfig
 from rolloutpipe.errors import ConfigError
 from rolloutpipe.model.tokenizer import (
     BOS,
@@ -39,6 +39,42 @@ log = logging.getLogger("rolloutpipe.model")
 
 class PickToken(Protocol):
     def __call__(self, i: int, t: int, last: torch.Tensor) -> tuple[int, float]: ...
+
+
+TINY_CONTEXT = 128  # the built tiny model's max_position_embeddings
+
+
+def context_length(cfg: ModelConfig) -> int | None:
+    """The positions the model was built for (``max_position_embeddings``); None when not known."""
+    if not cfg.path:
+        return TINY_CONTEXT
+    try:
+        return int(
+            json.loads((Path(cfg.path).expanduser() / "config.json").read_text())["max_position_embeddings"]
+        )
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+
+
+class PromptLength:
+    """A prompt's tokens as the engines see them (the model's tokenizer, its chat template), and the
+    most a prompt may have: ``task.max_prompt_length``, else the model's context."""
+
+    def __init__(self, cfg: ModelConfig, max_prompt_length: int) -> None:
+        self.tok = tokenizer_for(cfg)
+        self.limit = max_prompt_length or context_length(cfg)
+        self.what = "task.max_prompt_length" if max_prompt_length else "the model's context"
+
+    def __call__(self, text: str, messages: Sequence[Any] = ()) -> int:
+        return len(self.tok.encode_prompt(text, messages))
+
+
+def prompt_measure(cfg: Config) -> PromptLength | None:
+    """What ``task_prompts`` checks prompts with: None for engines that do not run the model
+    (emulated, an ``engine_plugin``), whose prompts need not fit it."""
+    if cfg.rollout.engine_plugin or cfg.rollout.engine == "emulated":
+        return None
+    return PromptLength(cfg.model, cfg.task.max_prompt_length)
 
 
 def tokenizer_for(cfg: ModelConfig) -> Tokenizer:
@@ -80,7 +116,7 @@ def ensure_model(cfg: ModelConfig) -> Path:
         num_key_value_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
         intermediate_size=cfg.intermediate_size,
-        max_position_embeddings=128,
+        max_position_embeddings=TINY_CONTEXT,
         bos_token_id=BOS,
         eos_token_id=EOS,
         pad_token_id=PAD,

@@ -40,6 +40,7 @@ from rolloutpipe.broker.streams import Broker
 from rolloutpipe.broker.trim import trim_run
 from rolloutpipe.config import Config
 from rolloutpipe.errors import PolicyError
+from rolloutpipe.model.lm import prompt_measure
 from rolloutpipe.runtime import close_client, end_tasks, wait_event
 from rolloutpipe.scheduling import make_policy
 from rolloutpipe.scheduling.base import (
@@ -70,7 +71,9 @@ class Controller:
         self.cfg = cfg
         self.cc = cfg.controller
         self.b = broker
-        self.prompts = task_prompts(cfg.task, cfg.task.num_prompts, cfg.task.seed)
+        self.prompts = task_prompts(
+            cfg.task, cfg.task.num_prompts, cfg.task.seed, measure=prompt_measure(cfg)
+        )
         self.policy = policy if policy is not None else make_policy(cfg.controller)
         self.history: dict[int, list[PromptRecord]] = {}
         self._history_dirty: set[int] = set()  # prompts whose history is not saved yet

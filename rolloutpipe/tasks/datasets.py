@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import random
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rolloutpipe.errors import ConfigError
 from rolloutpipe.plugins import import_string
 
 if TYPE_CHECKING:
     from rolloutpipe.config import TaskConfig
+
+log = logging.getLogger("rolloutpipe.tasks")
 
 
 @dataclass(frozen=True)
@@ -152,9 +155,53 @@ def load_dataset(
     return prompts
 
 
-def task_prompts(task: TaskConfig, num_prompts: int, seed: int, split: str = "") -> list[Prompt]:
-    """``load_dataset`` with the task config's file and field options."""
-    return load_dataset(
+class Measure(Protocol):
+    """A prompt's length in tokens (``model.lm.PromptLength``), and the most it may have."""
+
+    limit: int | None
+    what: str  # where the limit comes from, for the error
+
+    def __call__(self, text: str, messages: Sequence[Any] = ()) -> int: ...
+
+
+def fit_prompts(prompts: list[Prompt], measure: Measure, drop: bool, split: str = "") -> list[Prompt]:
+    """The prompts of at most ``measure.limit`` tokens; a longer one is an error naming it, or, with
+    ``drop`` (``task.filter_overlong_prompts``), left out with a warning.  A prompt the tokenizer
+    cannot encode is an error either way: every request of it would fail."""
+    lengths = []
+    for i, p in enumerate(prompts):
+        try:
+            lengths.append(measure(p.text, p.messages))
+        except ValueError as e:
+            raise ConfigError(f"prompt {i} ({p.text[:40]!r}) cannot be tokenized: {e}") from e
+    if measure.limit is None:
+        return prompts
+    over = [i for i, n in enumerate(lengths) if n > measure.limit]
+    if not over:
+        return prompts
+    name = f"{split} prompts" if split else "prompts"
+    worst = max(over, key=lengths.__getitem__)
+    what = (
+        f"{len(over)} of {len(prompts)} {name} are longer than {measure.limit} tokens ({measure.what}); "
+        f"the longest, prompt {worst} ({prompts[worst].text[:40]!r}), has {lengths[worst]}"
+    )
+    if not drop:
+        raise ConfigError(
+            f"{what}: set task.max_prompt_length, or task.filter_overlong_prompts=true to drop them"
+        )
+    if len(over) == len(prompts):
+        raise ConfigError(f"{what}: task.filter_overlong_prompts would drop them all")
+    log.warning("%s: dropped (task.filter_overlong_prompts)", what)
+    skip = set(over)
+    return [p for i, p in enumerate(prompts) if i not in skip]
+
+
+def task_prompts(
+    task: TaskConfig, num_prompts: int, seed: int, split: str = "", measure: Measure | None = None
+) -> list[Prompt]:
+    """``load_dataset`` with the task config's file and field options; with ``measure``, only the
+    prompts that fit (``fit_prompts``)."""
+    prompts = load_dataset(
         task.dataset,
         num_prompts,
         seed,
@@ -165,3 +212,4 @@ def task_prompts(task: TaskConfig, num_prompts: int, seed: int, split: str = "")
         label_key=task.label_key,
         metadata_key=task.metadata_key,
     )
+    return prompts if measure is None else fit_prompts(prompts, measure, task.filter_overlong_prompts, split)

@@ -8,6 +8,7 @@ after the run.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -61,3 +62,7 @@ def test_a_run_goes_on_when_the_verifier_hangs(
     assert int(sr.hget(Keys(run_name).stats, "verifier_errors") or 0) == 0
     logs = "".join(f.read_text() for f in (out / "logs").glob("rollout-*.log"))
     assert "verifier timeout on request" in logs
+    # fewer than half the samples, yet each held its step up to 2 s: said on the terminal, per step
+    said = re.findall(r"step (\d+): the verifier timed out on (\d+) of (\d+) samples", p.stderr)
+    assert said and sum(int(n) for _, n, _ in said) == timeouts, (said, timeouts)
+    assert all(2 * int(n) < int(of) for _, n, of in said) and "each scored 0" not in p.stderr

@@ -189,19 +189,24 @@ def test_a_request_that_always_fails_is_dead_lettered_and_stops_the_run(
     tmp_path: Path, model_cache: str
 ) -> None:
     """A prompt with a character outside the tiny model's vocabulary failed every request with the
-    same ValueError and was retried forever while the bar sat at 0.  After ``rollout.max_attempts``
-    deliveries it is dead-lettered, and ``run`` stops with the reason and the command to see them."""
+    same ValueError and was retried forever while the bar sat at 0.  Such a prompt is now refused
+    when the prompts load, before any role starts.  An engine plug-in's prompts are not checked
+    there, and a request that fails every time is dead-lettered after ``rollout.max_attempts``
+    deliveries; ``run`` stops with the reason and the command to see them."""
     data = tmp_path / "train.jsonl"
     data.write_text(
         "".join(json.dumps({"prompt": f"W{i % 10}+1=", "label": (i + 1) % 10}) + "\n" for i in range(64))
     )
     out = tmp_path / "out"
-    r = subprocess.run(
-        [sys.executable, "-m", "rolloutpipe", "run", "configs/demo.yaml", "--steps", "2", "--out", str(out),
-         "--no-progress", f"model.cache_dir={model_cache}", "task.dataset=slime", f"task.path={data}",
-         "rollout.claim_idle_s=0.5", "rollout.max_attempts=2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+    cmd = [sys.executable, "-m", "rolloutpipe", "run", "configs/demo.yaml", "--steps", "2", "--out", str(out),
+           "--no-progress", f"model.cache_dir={model_cache}", "task.dataset=slime", f"task.path={data}",
+           "rollout.claim_idle_s=0.5", "rollout.max_attempts=2"]  # fmt: skip
+    refused = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "cannot be tokenized: character 'W' is not in the vocabulary" in refused.stderr
+    assert not (out / "logs").exists()  # refused before any role started
+    plugin = "rollout.engine_plugin=tests.support.plugin_engine:transformers"
+    r = subprocess.run([*cmd, plugin], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert r.returncode == 2, r.stderr[-3000:]
     assert "failed on all 2 attempts (rollout.max_attempts) and were dead-lettered" in r.stderr
     assert "ValueError: character 'W' is not in the vocabulary" in r.stderr

@@ -17,8 +17,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rolloutpipe.config import TaskConfig
+from rolloutpipe.config import Config, TaskConfig
 from rolloutpipe.errors import ConfigError
+from rolloutpipe.model.lm import PromptLength, prompt_measure
 from rolloutpipe.model.tokenizer import HFTokenizer
 from rolloutpipe.tasks.datasets import Prompt, load_dataset, task_prompts
 from rolloutpipe.tasks.formats import FORMATS
@@ -236,3 +237,63 @@ def test_a_conversation_goes_through_the_chat_template_whole() -> None:
     codec.encode_prompt("be brief\n4+4=", conv)
     codec.encode_prompt("1+1=")
     assert codec.tok.seen == [list(conv), [{"role": "user", "content": "1+1="}]]
+
+
+# --------------------------------------------------------- prompts the model cannot take (issue 31)
+
+
+def _long_prompts(tmp_path: Path) -> TaskConfig:
+    rows = [{"prompt": f"{i % 10}+1=", "label": (i + 1) % 10} for i in range(8)]
+    rows[3] = {"prompt": "1+" * 100 + "1=", "label": 1}  # 202 characters: 203 tokens with BOS
+    rows[5] = {"prompt": "2+" * 70 + "2=", "label": 2}  # 142 characters
+    return TaskConfig(dataset="slime", path=str(write_jsonl(tmp_path / "long.jsonl", rows)))
+
+
+def _measure(task: TaskConfig) -> PromptLength | None:
+    return prompt_measure(Config(task=task, rollout={"engine": "transformers"}))  # type: ignore[arg-type]
+
+
+def test_a_prompt_longer_than_the_models_context_is_refused_at_load(tmp_path: Path) -> None:
+    """Prompts longer than the model's context were trained on silently (the tiny model's 128
+    positions).  Now the load refuses them, naming the count, the longest and the keys to set."""
+    task = _long_prompts(tmp_path)
+    assert len(task_prompts(task, 8, 0)) == 8  # no measure: as before
+    with pytest.raises(ConfigError) as e:
+        task_prompts(task, 8, 0, measure=_measure(task))
+    assert "2 of 8 prompts are longer than 128 tokens (the model's context)" in str(e.value)
+    assert "has 203" in str(e.value) and "task.filter_overlong_prompts=true" in str(e.value)
+    short = task.model_copy(update={"max_prompt_length": 4})  # "0+1=" is 5 tokens with BOS
+    with pytest.raises(
+        ConfigError, match=r"8 of 8 prompts are longer than 4 tokens \(task.max_prompt_length\)"
+    ):
+        task_prompts(short, 8, 0, measure=_measure(short))
+
+
+def test_filter_overlong_prompts_drops_them_with_a_warning_and_never_all(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    task = _long_prompts(tmp_path).model_copy(
+        update={"filter_overlong_prompts": True, "max_prompt_length": 150}
+    )
+    with caplog.at_level(logging.WARNING, "rolloutpipe.tasks"):
+        kept = task_prompts(task, 8, 0, measure=_measure(task))
+    assert len(kept) == 7 and all(len(p.text) < 150 for p in kept)  # the 142-character one fits 150
+    assert "1 of 8 prompts are longer than 150 tokens" in caplog.text and "dropped" in caplog.text
+    none = task.model_copy(update={"max_prompt_length": 2})
+    with pytest.raises(ConfigError, match="would drop them all"):
+        task_prompts(none, 8, 0, measure=_measure(none))
+
+
+def test_a_prompt_the_tokenizer_cannot_encode_is_refused_at_load_and_emulated_runs_are_not_checked(
+    tmp_path: Path,
+) -> None:
+    """A character outside the tiny model's vocabulary failed every request at run time; now the load
+    names the prompt.  The emulated engine (and an engine plugin) runs no model: nothing checked."""
+    task = TaskConfig(
+        dataset="slime", path=str(write_jsonl(tmp_path / "w.jsonl", [{"prompt": "W1=", "label": 1}]))
+    )
+    with pytest.raises(ConfigError, match=r"prompt 0 \('W1='\) cannot be tokenized: character 'W'"):
+        task_prompts(task, 1, 0, measure=_measure(task))
+    assert prompt_measure(Config(task=task, rollout={"engine": "emulated"})) is None  # type: ignore[arg-type]
+    plugin = {"engine": "transformers", "engine_plugin": "x:y"}
+    assert prompt_measure(Config(task=task, rollout=plugin)) is None  # type: ignore[arg-type]

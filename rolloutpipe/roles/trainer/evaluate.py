@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from rolloutpipe.config import Config
-from rolloutpipe.model.lm import decode_batch, sampler, tokenizer_for
+from rolloutpipe.model.lm import decode_batch, prompt_measure, sampler, tokenizer_for
 from rolloutpipe.tasks.datasets import task_prompts
 from rolloutpipe.tasks.reward import ScoreInput, Scorer
 
@@ -23,7 +23,7 @@ class Evaluator:
     def __init__(self, cfg: Config) -> None:
         ec = cfg.eval
         self.every = ec.every
-        prompts = task_prompts(cfg.task, ec.num_prompts, ec.seed, split="eval")
+        prompts = task_prompts(cfg.task, ec.num_prompts, ec.seed, split="eval", measure=prompt_measure(cfg))
         self.codec = tokenizer_for(cfg.model)
         self.scorer = Scorer(cfg.task)  # as the rollout workers score: same pool, same timeout
         n = ec.samples_per_prompt
