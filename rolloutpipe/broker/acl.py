@@ -66,7 +66,7 @@ ROLE_RULES: dict[str, list[str]] = {
         "~rp:*:groups", "~rp:*:control", "~rp:*:version", "~rp:*:dlq", "~rp:*:stats",
         "~rp:*:consumed:*", *_ONCE_KEYS, "%R~rp:*:plan:*", "%R~rp:*:done", "%R~rp:*:released:*",
         "-@all", "+@connection", *_TX, *_ONCE, "+xadd", "+xreadgroup", "+xack", "+xgroup|create",
-        "+xread", "+xrevrange", "+exists", "+sadd", "+smembers", "+hincrby",
+        "+xread", "+xrevrange", "+xpending", "+exists", "+sadd", "+smembers", "+hincrby",
     ],
     # a shared pool's scheduler: its pool's lease and lease log; every run's stage, read only
     "pool": [

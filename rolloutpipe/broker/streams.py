@@ -198,6 +198,13 @@ class Broker(StepState):
     def decode(self, entry: Entry) -> Event:
         return self.codec.decode(entry.data)
 
+    async def pending_ids(self, stream: str, group: str, consumer: str, count: int = 10_000) -> list[str]:
+        """Ids of the entries delivered to ``consumer`` and not acknowledged (no bodies: cheap)."""
+        got: Any = await self.r.xpending_range(
+            stream, group, min="-", max="+", count=count, consumername=consumer
+        )
+        return [as_str(p["message_id"]) for p in got]
+
     async def deliveries(self, entry: Entry, group: str) -> int:
         """How many times ``entry`` was delivered to ``group``'s consumers (0 once acknowledged)."""
         got: Any = await self.r.xpending_range(entry.stream, group, min=entry.id, max=entry.id, count=1)

@@ -19,7 +19,7 @@ import random
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -309,39 +309,59 @@ async def _trainer_entries(broker: Broker, ar: aioredis.Redis, n: int) -> list[s
 async def test_a_commit_during_a_pending_sweep_never_brings_its_groups_back(
     broker: Broker, ar: aioredis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Catches the race seen once in a healthy run (issue 31): the reader's sweep of its own pending
-    entries (``XREADGROUP … 0``, to pick up a lost read reply) lists step 0's groups; the step's
-    commit acknowledges them and drops them from ``queued_ids`` while that reply is on its way; the
-    sweep then takes them for never seen and queues them again, and step 1's fence dead-letters
-    groups that were trained.  Here the commit lands exactly inside the sweep's read."""
+    """Catches the race seen once in a healthy run (issue 31), 128 groups at a time in the multiplex
+    suite: the reader's sweep of its own pending entries (``XREADGROUP … 0``, which picks up a read
+    whose reply was lost) lists step 0's groups; the step's commit acknowledges them and drops them
+    from ``queued_ids`` while that reply is on its way; the sweep then took them for never seen and
+    queued them again, and step 1's fence dead-lettered groups that were trained.  Here a third
+    entry's reply is lost (delivered to the trainer, never seen by its reader), and the commit lands
+    exactly inside the sweep's read that picks it up: the lost one is queued, and only it."""
     from rolloutpipe.roles.trainer import trainer as trainer_module
 
     monkeypatch.setattr(trainer_module, "PENDING_SWEEP_S", 0.0)  # sweep on every round
     t = trainer_module.Trainer(make_config(tmp_path, broker.run), broker, object(), tmp_path)  # type: ignore[arg-type]
     await broker.publish_version(version(broker.run, 1), None)  # step 0's weights are out already
     ids = await _trainer_entries(broker, ar, 2)
-    read, reads, committed = broker.read, Counter[str](), asyncio.Event()
+    read, sweeps, committed = broker.read, Counter[str](), asyncio.Event()
 
     async def read_racing_the_commit(*args: Any, **kw: Any) -> list[Any]:
-        entries = await read(*args, **kw)
-        reads[kw.get("start", ">")] += 1
-        if kw.get("start") == "0" and entries and not committed.is_set():
-            await t.finish_commit(0, None, ["0:0", "0:1"], ids)  # while the sweep's reply is in flight
-            committed.set()
-        return entries
+        got = await read(*args, **kw)
+        if kw.get("start", ">") == ">" and got and sweeps["lose"]:
+            sweeps["lose"] = 0
+            return []  # delivered, its reply lost
+        if kw.get("start") == "0":
+            sweeps["read"] += 1
+            if len(got) == 3 and not committed.is_set():
+                await t.finish_commit(0, None, ["0:0", "0:1"], ids)  # while the sweep's reply is in flight
+                committed.set()
+        return got
+
+    pending_ids = broker.pending_ids
+
+    async def counted_pending_ids(*args: Any, **kw: Any) -> list[str]:
+        sweeps["listed"] += 1
+        return await pending_ids(*args, **kw)
+
+    async def until(done: Callable[[], bool]) -> None:
+        while not done():
+            await asyncio.sleep(0.01)
 
     monkeypatch.setattr(broker, "read", read_racing_the_commit)
+    monkeypatch.setattr(broker, "pending_ids", counted_pending_ids)
     stop = asyncio.Event()
     reader = asyncio.create_task(t._reader(stop))
+    await asyncio.wait_for(until(lambda: t.queue.qsize() >= 2), 30)  # step 0's two groups are in
+    sweeps["lose"] = 1
+    (lost,) = await _trainer_entries(broker, ar, 1)
     await asyncio.wait_for(committed.wait(), 30)
-    swept = reads["0"]
-    while reads["0"] < swept + 2:  # two more sweeps after the commit
-        await asyncio.sleep(0.01)
+    await asyncio.wait_for(until(lambda: t.queue.qsize() >= 3), 30)  # the lost one picked up
+    listed = sweeps["listed"]
+    await asyncio.wait_for(until(lambda: sweeps["listed"] >= listed + 3), 30)  # three sweeps more
     stop.set()
     await asyncio.wait_for(reader, 30)
     queued = [t.queue.get_nowait().entry.id for _ in range(t.queue.qsize())]
-    assert sorted(queued) == sorted(ids)  # each group handed over once: none came back
-    assert await pending(ar, broker.keys.groups, Groups.TRAINER) == 0
+    assert sorted(queued) == sorted([*ids, lost])  # each group handed over once: none came back
+    assert await pending(ar, broker.keys.groups, Groups.TRAINER) == 1  # the lost one, queued now
 
 
 async def test_a_trained_group_read_again_in_a_later_step_is_a_duplicate_not_a_fence_rejection(

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from rolloutpipe.broker.codec import DEFAULT_CODEC
-from rolloutpipe.broker.events import Group, Lease, StepPlan
+from rolloutpipe.broker.events import DeadLetter, Group, Lease, StepPlan
 from rolloutpipe.broker.keys import DATA, Keys, pool_keys
 from rolloutpipe.config import Config
 from rolloutpipe.launch.pool import run_pool
@@ -143,6 +143,51 @@ def test_two_runs_share_a_pool_each_trained_exactly_once_on_its_own_versions(
     both = set.intersection(*served.values())
     assert both, f"no worker generated samples for both runs: {served}"
     assert sr.hget(pool_keys(pool).stats, "lease_changes")
+
+
+# Big groups (64 prompts x 8 samples of ~2.5k tokens: ~10 MB of groups pending in the trainer at a
+# step's end), as in the multiplex suite: the trainer's sweep of its own pending entries then takes
+# long enough for a commit to land while its reply is in flight.
+STATIC_BIG_GROUPS = (
+    "controller.mode=cgp-fgd",
+    "controller.steps=6",
+    "controller.prompts_per_step=64",
+    "controller.group_size=8",
+    "controller.minibatches=4",
+    "task.num_prompts=64",
+    "rollout.emulated.length_median=2500",
+    "rollout.emulated.max_response_tokens=8192",
+    "rollout.emulated.max_num_seqs=128",
+    "rollout.emulated.time_scale=0.002",
+    "redis.trim=false",
+    "rollout.pool.policy=static",
+)
+
+
+@pytest.mark.slow
+def test_a_static_pool_run_has_no_fence_rejections(
+    tmp_path: Path, run_name: str, redis_url: str, sr: redis.Redis
+) -> None:
+    """Issue 31: no worker moves in a static split and every request is generated on its step's
+    version, so nothing may be refused as stale.  Catches: the trainer's pending sweep, whose reply
+    was in flight while a step committed, queueing that step's acknowledged groups again for the
+    next step, where the fence dead-lettered all of them (64 a run here, 128 in the suite)."""
+    pool = f"{run_name}p"
+    runs = [f"{run_name}{x}" for x in "ab"]
+    pool_over = [f"rollout.pool.name={pool}", f"rollout.pool.runs={runs!r}".replace("'", '"')]
+    cfgs = [make_config(tmp_path / r, r, *EMULATED_FAST, *STATIC_BIG_GROUPS, *pool_over) for r in runs]
+    res = run_pool(cfgs, redis_url, tmp_path / "out", pool, workers=4, timeout_s=240)
+    assert not [x for x in res.leases if x.from_run], "a worker moved in the static split"
+    for cfg in cfgs:
+        k = Keys(cfg.run)
+        dlq = [DEFAULT_CODEC.decode_as(f[DATA], DeadLetter) for _e, f in sr.xrange(k.dlq)]
+        reasons = Counter(d.reason.split(":")[0] for d in dlq)
+        fence = int(sr.hget(k.stats, "fence_rejections") or 0)
+        assert fence == 0 and not reasons, f"{cfg.run}: {fence} fence rejections; dlq reasons {dict(reasons)}"
+        assert [m.fence_rejections for m in res.metrics[cfg.run]] == [0] * cfg.controller.steps
+        # nor read twice: a trained group that came back would be a duplicate now, not a rejection
+        assert int(sr.hget(k.stats, "duplicate_groups") or 0) == 0
+        assert_exactly_once(sr, cfg, res.metrics[cfg.run])
 
 
 def test_a_group_of_another_run_is_dead_lettered_not_trained(

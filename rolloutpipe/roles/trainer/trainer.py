@@ -78,7 +78,13 @@ class Trainer:
                 # Redis restart) sit pending without our having seen them: pick them up again.
                 last_sweep = time.monotonic()
                 commits = self.commits
-                mine = await self.b.read(self.k.groups, GROUP, consumer, count=10_000, block_ms=1, start="0")
+                ids = await self.b.pending_ids(self.k.groups, GROUP, consumer)  # ids only: cheap
+                unseen = [i for i in ids if i not in self.queued_ids]
+                mine = (
+                    await self.b.read(self.k.groups, GROUP, consumer, count=10_000, block_ms=1, start="0")
+                    if unseen
+                    else []
+                )
                 # A commit that acknowledged entries while this read's reply was on its way took them
                 # out of ``queued_ids`` although the reply still lists them as pending: trained groups
                 # would come back as "never seen" and hit the fence.  Drop such a sweep; the next
