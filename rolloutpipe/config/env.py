@@ -37,6 +37,7 @@ TOOL_VARIABLES: dict[str, str] = {
     # the test suite's knobs
     "RP_TEST_MODEL_CACHE": "tests: where the tiny model is built once",
     "RP_CHAOS_SEED": "tests: replay one chaos schedule",
+    "RP_CHAOS_SEEDS": "tests: the seeds the pooled chaos test runs (a,b,c)",
     "RP_FUZZ_EXAMPLES": "tests: examples per fuzzed decoder and handler (default 10,000)",
     "RP_SUITE": "tests: the suite being run (deepspeed, vllm: its engine must import; docker)",
 }

@@ -45,8 +45,8 @@ class PoolRun:
 def start_pool(
     cfgs: list[Config], url: str, out: Path, pool: str, workers: int, *, launcher: list[str] | None = None
 ) -> tuple[list[Cluster], Cluster]:
-    """Every run's roles but rollout (each in its ``cfg.out``), then the pool's scheduler and
-    ``workers`` pool workers (logs in ``out/pool-NAME``)."""
+    """Every run's roles but rollout (each in its ``cfg.out``; one aggregator a samples shard), then
+    the pool's scheduler and ``workers`` pool workers (logs in ``out/pool-NAME``)."""
     clusters = []
     for cfg in cfgs:
         o = Path(cfg.out)  # the run's own: its trainer's metrics.jsonl and weights
@@ -54,7 +54,11 @@ def start_pool(
         c = Cluster(cfg, url, o)
         cfg.dump_yaml(o / "config.yaml")
         c.spawn("trainer", "trainer", ["--out", str(o)])
-        c.spawn("aggregator", "aggregator")
+        shards = cfg.redis.sample_shards
+        if shards == 1:
+            c.spawn("aggregator", "aggregator")
+        for i in range(shards if shards > 1 else 0):  # one aggregator a samples shard, as ``Cluster``
+            c.spawn("aggregator", f"aggregator-s{i}", ["--shard", str(i)])
         c.spawn("controller", "controller")
         clusters.append(c)
     po = out / f"pool-{pool}"
