@@ -367,14 +367,17 @@ async def test_a_commit_during_a_pending_sweep_never_brings_its_groups_back(
 async def test_a_trained_group_read_again_in_a_later_step_is_a_duplicate_not_a_fence_rejection(
     broker: Broker, ar: aioredis.Redis
 ) -> None:
-    """Catches: a group of step 0, committed as consumed but whose entry is read again during step 1
-    (a lost reply, a sweep), dead-lettered by step 1's fence and counted as a fence rejection: it was
-    trained once, on-policy.  A stale group never trained is still rejected."""
+    """Catches: a group of step 0, committed as consumed (its entry acknowledged) but read again
+    during step 1 (a lost reply, a sweep), dead-lettered by step 1's fence and counted as a fence
+    rejection: it was trained once, on-policy.  A stale group never trained is still rejected, and
+    so is another entry reusing the trained group's id (``test_fence``'s forged group)."""
     from rolloutpipe.roles.trainer.step import Intake, Read
 
-    _trained, stale = await _trainer_entries(broker, ar, 2)
+    trained, stale = await _trainer_entries(broker, ar, 2)
     entries = await broker.read(broker.keys.groups, Groups.TRAINER, "trainer-0", count=2, block_ms=1)
-    await broker.commit_consumed(0, ["0:0"], [])  # step 0 trained 0:0; its entry is still pending
+    await broker.commit_consumed(0, ["0:0"], [trained])  # step 0 trained 0:0 and acknowledged it
+    forged = as_str(await ar.xadd(broker.keys.groups, {DATA: broker.encode(group(broker.run, 0, "0:0"))}))
+    entries += await broker.read(broker.keys.groups, Groups.TRAINER, "trainer-0", count=1, block_ms=1)
     queue: asyncio.Queue[Read] = asyncio.Queue()
     for e in entries:
         queue.put_nowait(Read(e, DEFAULT_CODEC.decode(e.data), time.time()))  # type: ignore[arg-type]
@@ -382,6 +385,6 @@ async def test_a_trained_group_read_again_in_a_later_step_is_a_duplicate_not_a_f
     assert [g async for g in intake.groups(_Drained(queue))] == []  # type: ignore[arg-type]
     st = {as_str(k): int(v) for k, v in (await ar.hgetall(broker.keys.stats)).items()}
     dlq = [DEFAULT_CODEC.decode(f[DATA]) for _i, f in await ar.xrange(broker.keys.dlq)]
-    assert st.get("duplicate_groups") == 1 and st.get("fence_rejections") == 1, st
-    assert [d.entry_id for d in dlq] == [stale]  # type: ignore[attr-defined]
+    assert st.get("duplicate_groups") == 1 and st.get("fence_rejections") == 2, st
+    assert [d.entry_id for d in dlq] == [stale, forged]  # type: ignore[attr-defined]
     assert await pending(ar, broker.keys.groups, Groups.TRAINER) == 0

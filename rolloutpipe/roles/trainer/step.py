@@ -154,13 +154,14 @@ class Intake:
     async def _admit(self, item: Read, g: Group) -> bool:
         """The fence, then the dedup; a group let through is the step's.
 
-        A group of an earlier step that step committed as consumed is a duplicate (its entry read
-        again, say after a lost read reply), not a fence rejection: it was trained, on-policy, once.
+        An entry that an earlier step trained and acknowledged, read again (a lost read reply, a
+        sweep), is a duplicate, not a fence rejection: it was trained, on-policy, once.  Another
+        entry that reuses a trained group's id is still pending, and the fence rejects it.
         """
         try:
             self.fence.check(g)
         except StaleVersionError as e:
-            if g.step < self.step and g.group_id in await self.b.consumed(g.step):
+            if await self._trained_before(item, g):
                 await self._duplicate(item, g, f" (step {g.step})")
                 return False
             why = f"fence: {e}"
@@ -176,6 +177,12 @@ class Intake:
         if self.record:
             self.trained.append(self.b.encode(g))
         return True
+
+    async def _trained_before(self, item: Read, g: Group) -> bool:
+        """``g``'s own entry was trained by step ``g.step``: consumed there, and acknowledged."""
+        if g.step >= self.step or g.group_id not in await self.b.consumed(g.step):
+            return False
+        return await self.b.deliveries(item.entry, GROUP) == 0
 
     async def _duplicate(self, item: Read, g: Group, of: str) -> None:
         log.warning("group %s%s already consumed; acknowledging the duplicate", g.group_id, of)
