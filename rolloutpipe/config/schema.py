@@ -229,7 +229,8 @@ class RolloutConfig(_Section):
     # How FIFO modes (sync, cgp) hand requests to engines.  "share": like a router that dispatches
     # every request on arrival (slime + SGLang router), each engine takes its share of the step into
     # its own waiting queue at once.  "none": pull only into free slots (late binding).  cgp-fgd
-    # always admits only into free slots: an engine queue would undo the frontier order.
+    # always admits only into free slots: an engine queue would undo the frontier order; so does a
+    # shared pool's worker, so that a worker lent to a run mid-rollout finds its requests waiting.
     engine_queue: Literal["share", "none"] = "share"
     # Requests taken per XREADGROUP.  Small reads let several workers interleave, so a burst of
     # released requests spreads over the engines instead of landing on whichever reads first.

@@ -49,3 +49,12 @@ class Preemptible(Protocol):
         token for token (greedy; sampled: on the same seed, as far as the engine allows).  False
         when the request is not running here (queued, unknown or finished): nothing changes."""
         ...
+
+
+class Queueing(Protocol):
+    """An engine with a waiting queue of its own that it can hand requests back from (the emulated
+    engine; ``RolloutWorker.leave`` hands those back first: nothing of theirs is lost)."""
+
+    def queued(self, request_id: str) -> bool:
+        """``request_id`` waits in the engine's queue, not started: ``preempt`` hands it back as it came."""
+        ...

@@ -137,6 +137,10 @@ class EmulatedEngine:
                 return True
         return False
 
+    def queued(self, request_id: str) -> bool:
+        """``request_id`` waits for a slot (``Queueing``): ``preempt`` hands it back as it came."""
+        return any(s.req.request_id == request_id and not s.fut.done() for s in self.waiting)
+
     def _step_time(self, batch: int) -> float:
         return self.cfg.decode_base_s + self.cfg.decode_per_seq_s * batch
 

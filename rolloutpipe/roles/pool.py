@@ -54,12 +54,28 @@ class _Track:
 
     phase: leases.Phase = "waiting"
     since: float = field(default_factory=time.monotonic)
+    step: int = -1  # the step of ``phase``
     step_requests: int = 0
     last_train_s: float | None = None
     last_rollout_s: float | None = None
-    rollout_began: float | None = None
     plan_step: int = -1  # the step whose plan was read: a plan is written once, so it is read once
     plan_total: int = 0
+
+    def advance(self, phase: leases.Phase, step: int, now: float) -> None:
+        """The run is in ``phase`` of ``step`` at ``now``; a change ends the phase before it.
+
+        A rollout is timed over the span ``phase_elapsed_s`` counts in it (its requests released,
+        until the last finished; the wait for its plan is not in it), so ``leases._ends_within``
+        compares like with like.  Training (and the weight sync) runs from the last request
+        finished to the next step's plan or requests.  A new step's rollout seen straight after
+        the last one's (between two ticks) is a new rollout, not measured."""
+        if phase == self.phase and step == self.step:
+            return
+        if self.phase == "training" and phase in ("waiting", "rollout"):
+            self.last_train_s = now - self.since
+        if self.phase == "rollout" and phase == "training" and step == self.step:
+            self.last_rollout_s = now - self.since
+        self.phase, self.step, self.since = phase, step, now
 
 
 async def run_view(r: Any, run: str, track: _Track, now: float) -> leases.RunView:
@@ -67,7 +83,7 @@ async def run_view(r: Any, run: str, track: _Track, now: float) -> leases.RunVie
     k = Keys(run)
     b = Broker(r, run, "pool")
     phase: leases.Phase
-    outstanding = 0
+    outstanding, step = 0, track.step
     if await b.is_done():
         phase = "done"
     else:
@@ -82,16 +98,7 @@ async def run_view(r: Any, run: str, track: _Track, now: float) -> leases.RunVie
             track.step_requests = max(total, released)
             outstanding = max(0, max(total, released) - finished)
             phase = "rollout" if outstanding > 0 else "training"
-    if phase != track.phase:
-        if track.phase == "training" and phase in ("waiting", "rollout"):
-            track.last_train_s = now - track.since  # its training and weight sync
-        if phase == "training" and track.rollout_began is not None:
-            track.last_rollout_s = now - track.rollout_began
-        if phase in ("waiting", "rollout") and track.phase not in ("waiting", "rollout"):
-            track.rollout_began = now
-        track.phase, track.since = phase, now
-    if track.rollout_began is None and phase in ("waiting", "rollout"):
-        track.rollout_began = now
+    track.advance(phase, step, now)
     return leases.RunView(
         run=run,
         phase=phase,
@@ -111,6 +118,13 @@ def switch_horizon(cfg: Config) -> float:
     if rc.engine == "emulated":
         return rc.emulated.switch_s * rc.emulated.time_scale
     return 0.5
+
+
+def decision_horizon(cfg: Config) -> float:
+    """How far ahead the look-ahead must see: a worker moved at this tick is useful a switch later,
+    and the scheduler decides again only a tick later, so what will be wanted within a switch and
+    a tick must move now (a horizon of the switch alone, shorter than a tick, was ``greedy``'s)."""
+    return switch_horizon(cfg) + cfg.rollout.pool.tick_s
 
 
 def static_leases(runs: list[str], workers: list[leases.WorkerView]) -> dict[str, str]:
@@ -142,7 +156,7 @@ async def run_pool(cfg: Config, url: str, stop: asyncio.Event) -> int:
     pk = pool_keys(pc.name)
     pb = Broker(r, pk.run, "pool", maxlen=cfg.redis.maxlen)
     tracks = {run: _Track() for run in pc.runs}
-    horizon = switch_horizon(cfg)
+    horizon = decision_horizon(cfg)
     decide = leases.POLICIES.get(pc.policy)
     try:
         while not stop.is_set():
@@ -154,7 +168,9 @@ async def run_pool(cfg: Config, url: str, stop: asyncio.Event) -> int:
             members = await pool_workers(r, pk)
             leased = {_s(w): _s(v) for w, v in (await r.hgetall(pk.lease)).items()}
             workers = [
-                leases.WorkerView(wid, leased.get(wid, ""), int(info.get("capacity", 0)))
+                leases.WorkerView(
+                    wid, leased.get(wid, ""), int(info.get("capacity", 0)), int(info.get("inflight", 0))
+                )
                 for wid, info in members
             ]
             if decide is None:
@@ -213,7 +229,7 @@ async def run_pool_worker(cfg: Config, url: str, stop: asyncio.Event, worker_id:
     last_hb = 0.0
     try:
         while not stop.is_set():
-            if time.monotonic() - last_hb > cfg.rollout.heartbeat_s / 3:
+            if time.monotonic() - last_hb > min(cfg.rollout.heartbeat_s / 3, pc.tick_s):  # load, each tick
                 last_hb = time.monotonic()
                 info = {
                     "id": wid, "capacity": engine.capacity, "run": current[0] if current else "",

@@ -79,9 +79,12 @@ class RolloutWorker:
         A request says whether the policy released its whole step at once (``queue_share_of``: the
         step's request count); then, like a router that dispatches every request on arrival, each
         engine may take its share of the step into its own queue (``rollout.engine_queue: share``).
+        A pool's worker never does (late binding): the requests a run's engines cannot start yet
+        stay on ``requests``, where a worker lent to the run mid-rollout finds them at once.
         """
         cap = self.engine.capacity
-        if self.queue_share_of <= 0 or self.cfg.rollout.engine_queue == "none":
+        rc = self.cfg.rollout
+        if self.queue_share_of <= 0 or rc.engine_queue == "none" or rc.pool.name:
             return cap
         now = time.monotonic()
         if now - self._live_checked > 0.5:
@@ -90,8 +93,11 @@ class RolloutWorker:
         return max(cap, -(-self.queue_share_of // self._live))
 
     async def heartbeat(self, stop: asyncio.Event) -> None:
+        """The heartbeat record (this worker's load) every ``load_report_s``; every ``heartbeat_s``
+        also the idle time of its requests reset and the closed groups' requests cancelled."""
         rc = self.cfg.rollout
         ttl = max(1, int(rc.heartbeat_s * 3 + 0.999))
+        every, touched = load_report_s(self.cfg), -float("inf")
         while not stop.is_set():
             info = {
                 "id": self.id,
@@ -106,9 +112,11 @@ class RolloutWorker:
                 "t": time.time(),
             }
             await self.b.heartbeat(self.id, info, ttl)
-            await self.b.touch(self.k.requests, GROUP, self.id, list(self.inflight))
-            await self.abort_closed()
-            await wait_event(stop, rc.heartbeat_s)
+            if time.monotonic() - touched >= rc.heartbeat_s:
+                touched = time.monotonic()
+                await self.b.touch(self.k.requests, GROUP, self.id, list(self.inflight))
+                await self.abort_closed()
+            await wait_event(stop, every)
         await self.b.drop_heartbeat(self.id)
 
     async def abort_closed(self) -> None:
@@ -347,13 +355,18 @@ class RolloutWorker:
         return n
 
     async def leave(self, handback: bool) -> None:
-        """Stop serving this run (a pool moved the worker): take nothing new, and either hand every
-        request in flight back to the run as a continuation (``handback``, which needs an engine
-        that preempts) or let them finish.  ``run`` returns once none is left."""
+        """Stop serving this run (a pool moved the worker): take nothing new; hand the requests that
+        still wait in the engine's queue back to the run first (as they came: nothing of theirs is
+        lost; an engine that says which, ``Queueing``), then either hand the running ones back as
+        continuations too (``handback``, which needs an engine that preempts) or let them finish
+        here.  ``run`` returns once none is left."""
         self.leaving = True
         self.slot_freed.set()
+        is_queued = getattr(self.engine, "queued", None)
+        queued = [e for e, (_, req) in self.inflight_reqs.items() if is_queued and is_queued(req.request_id)]
+        self.preempt_entries(queued)
         if handback:
-            self.preempt_entries(list(self.inflight_reqs))
+            self.preempt_entries([e for e in list(self.inflight_reqs) if e not in queued])
 
     async def admit(self, entry: Entry, stop: asyncio.Event) -> None:
         ev = await self.b.decode_or_dlq(entry, GROUP, (RolloutRequest,))
@@ -458,6 +471,15 @@ class RolloutWorker:
             if self.fetcher is not None:
                 await self.fetcher.close()
         return 0
+
+
+def load_report_s(cfg: Config) -> float:
+    """How often a worker publishes its load (its heartbeat record).  With migration on, at least
+    as often as a worker looks at its peers' (``migration.check_s``): a worker decides again only
+    on loads newer than its last move, and at ``heartbeat_s`` (1 s of wall time, 50 emulated
+    seconds at the suite's ``time_scale``) it waited a quarter of a rollout to see one."""
+    rc = cfg.rollout
+    return min(rc.heartbeat_s, rc.migration.check_s) if rc.migration.enabled else rc.heartbeat_s
 
 
 def default_worker_id() -> str:

@@ -17,19 +17,22 @@ Two policies, both pure (no Redis, no asyncio; ``roles/pool.py`` is the I/O arou
   gets workers back when its next step's plan appears, and each then pays a weight switch
   before its first token, on that run's critical path.
 * ``lookahead``: the same shares, computed on the demand ``switch_s`` ahead (the time a moved
-  worker needs before it is useful).  A run whose training is predicted to end within
-  ``switch_s`` (its last train-and-sync took T; it has trained for t; T - t <= switch_s) counts
-  its next step's requests already, so workers move to it while it still trains and the switch
-  is paid off its critical path.  A run keeps the workers it holds when lending them would not
-  pay: its rollout ends within ``switch_s``, or its training within ``2 * switch_s`` (a lent
-  worker must switch away and back before it is needed again).
+  worker needs before it is useful, plus one scheduler tick: ``roles/pool.decision_horizon``).
+  A run whose training is predicted to end within ``switch_s`` (its last train-and-sync took
+  T; it has trained for t; T - t <= switch_s) counts its next step's requests already, so
+  workers move to it while it still trains and the switch is paid off its critical path.  A
+  run keeps the workers it holds when lending them would not pay: its rollout ends within
+  ``switch_s``, or its training within ``2 * switch_s`` (a lent worker must switch away and
+  back before it is needed again).  A rollout that has outlived its prediction is overdue,
+  not "ending soon": it keeps only its floor.
 
 Shares: largest remainder of ``workers * demand / total demand``, at least one worker for every
 run with demand (while workers last), and no run more workers than it has requests.  Both keep
 a run in rollout the workers its outstanding requests fill (``floors``): the pool lends spare
 workers and those of a long tail, which the moved worker hands back to the run's others (long-tail
 consolidation), never a full batch.  Workers that keep their run are chosen first (fewest
-switches); the others move to the runs short of workers.
+switches), the busiest of a run first; the others, least loaded first, move to the runs short of
+workers (a moved worker hands back the requests it holds, so the cheapest to move is lent).
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class WorkerView:
     worker: str
     run: str  # the run it serves now ("" if none)
     capacity: int
+    inflight: int = 0  # requests it holds now (its heartbeat's): the cost of moving it
 
 
 def demand(r: RunView, horizon_s: float = 0.0) -> int:
@@ -112,16 +116,18 @@ def shares(demands: dict[str, int], n_workers: int) -> dict[str, int]:
 
 
 def assign(quota: dict[str, int], workers: Sequence[WorkerView], keep_idle: bool = True) -> dict[str, str]:
-    """Worker -> run meeting ``quota`` with the fewest moves.  Workers beyond every quota stay where
-    they are (``keep_idle``: a spare worker is as useful on its run as anywhere, and free to move)."""
+    """Worker -> run meeting ``quota`` with the fewest moves, and the cheapest: a run keeps its
+    busiest workers and lends its least loaded (a moved worker hands back what it holds).  Workers
+    beyond every quota stay where they are (``keep_idle``: a spare worker is as useful on its run
+    as anywhere, and free to move)."""
     left = dict(quota)
     out: dict[str, str] = {}
-    for w in sorted(workers, key=lambda w: w.worker):
+    for w in sorted(workers, key=lambda w: (-w.inflight, w.worker)):
         if w.run and left.get(w.run, 0) > 0:
             out[w.worker] = w.run
             left[w.run] -= 1
     short = [r for r in sorted(left, key=lambda r: (-left[r], r)) for _ in range(left[r])]
-    for w in sorted(workers, key=lambda w: w.worker):
+    for w in sorted(workers, key=lambda w: (w.inflight, w.worker)):
         if w.worker in out:
             continue
         if short:
@@ -179,9 +185,16 @@ def lookahead(runs: Sequence[RunView], workers: Sequence[WorkerView], switch_s: 
 
 
 def _ends_within(r: RunView, horizon_s: float) -> bool:
-    """The run's current rollout or training is predicted (by its last one) to end within the horizon."""
+    """The run's current rollout or training is predicted (by its last one) to end within the horizon.
+
+    An overdue rollout (it has run longer than the last) is not: the prediction failed, and a long
+    tail that outlives it must not keep every worker it holds (its ``floors`` still do).  An
+    overdue training is: its next plan can come at any moment."""
     last = {"rollout": r.last_rollout_s, "training": r.last_train_s}.get(r.phase)
-    return last is not None and last - r.phase_elapsed_s <= horizon_s
+    if last is None:
+        return False
+    left = last - r.phase_elapsed_s
+    return left <= horizon_s and (left >= 0.0 or r.phase != "rollout")
 
 
 POLICIES = {"greedy": greedy, "lookahead": lookahead}
