@@ -56,5 +56,6 @@ class Queueing(Protocol):
     engine; ``RolloutWorker.leave`` hands those back first: nothing of theirs is lost)."""
 
     def queued(self, request_id: str) -> bool:
-        """``request_id`` waits in the engine's queue, not started: ``preempt`` hands it back as it came."""
+        """``request_id`` waits in the engine's queue, not started: ``preempt`` hands it back with
+        nothing decoded."""
         ...

@@ -138,7 +138,7 @@ class EmulatedEngine:
         return False
 
     def queued(self, request_id: str) -> bool:
-        """``request_id`` waits for a slot (``Queueing``): ``preempt`` hands it back as it came."""
+        """``request_id`` waits for a slot (``Queueing``): ``preempt`` hands it back, nothing decoded."""
         return any(s.req.request_id == request_id and not s.fut.done() for s in self.waiting)
 
     def _step_time(self, batch: int) -> float:

@@ -116,7 +116,7 @@ class RolloutWorker:
                 touched = time.monotonic()
                 await self.b.touch(self.k.requests, GROUP, self.id, list(self.inflight))
                 await self.abort_closed()
-            await wait_event(stop, every)
+            await wait_event(stop, max(0.0, min(every, touched + rc.heartbeat_s - time.monotonic())))
         await self.b.drop_heartbeat(self.id)
 
     async def abort_closed(self) -> None:
@@ -220,6 +220,9 @@ class RolloutWorker:
     async def handle(self, entry: Entry, req: RolloutRequest) -> None:
         try:
             admitted = time.time()
+            if self.leaving:  # read as this worker left its run, never started here: handed back
+                await self.hand_back(entry, req, None, admitted)
+                return
             gen = await self.engine.generate(req)
             if self.version != req.policy_version:
                 await self.drop(entry, req, f"weights changed to {self.version} during generation")
@@ -287,12 +290,15 @@ class RolloutWorker:
             self.slot_freed.set()
             metrics.INFLIGHT.set(len(self.inflight))
 
-    async def hand_back(self, entry: Entry, req: RolloutRequest, gen: Generation, admitted: float) -> None:
-        """A preempted request back on ``requests`` as its continuation (``Broker.migrate``)."""
+    async def hand_back(
+        self, entry: Entry, req: RolloutRequest, gen: Generation | None, admitted: float
+    ) -> None:
+        """A preempted request back on ``requests`` as its continuation (``Broker.migrate``); ``gen``
+        None: one that never reached the engine, its continuation with nothing decoded here."""
         cont = req.model_copy(
             update={
-                "prefix_ids": gen.response_ids,
-                "prefix_logprobs": gen.logprobs,
+                "prefix_ids": req.prefix_ids if gen is None else gen.response_ids,
+                "prefix_logprobs": req.prefix_logprobs if gen is None else gen.logprobs,
                 "segment": req.segment + 1,
                 "origin": req.origin or entry.id,
                 "admitted_at": req.admitted_at or admitted,
@@ -305,11 +311,11 @@ class RolloutWorker:
         new_id = await self.b.migrate(entry.id, cont)
         if new_id:
             self.migrations += 1
-            metrics.BROKER_EVENTS.labels("rollout", "migrated_tokens").inc(len(gen.response_ids))
+            metrics.BROKER_EVENTS.labels("rollout", "migrated_tokens").inc(len(cont.prefix_ids))
             log.info(
                 "request %s handed back after %d tokens (segment %d -> %s)",
                 req.request_id,
-                len(gen.response_ids),
+                len(cont.prefix_ids),
                 req.segment,
                 new_id,
             )
@@ -355,9 +361,10 @@ class RolloutWorker:
         return n
 
     async def leave(self, handback: bool) -> None:
-        """Stop serving this run (a pool moved the worker): take nothing new; hand the requests that
-        still wait in the engine's queue back to the run first (as they came: nothing of theirs is
-        lost; an engine that says which, ``Queueing``), then either hand the running ones back as
+        """Stop serving this run (a pool moved the worker): take nothing new (a request read as it
+        leaves goes back unstarted, ``handle``); hand the requests that still wait in the engine's
+        queue back to the run first (continuations with nothing decoded: nothing of theirs is lost;
+        an engine that says which, ``Queueing``), then either hand the running ones back as
         continuations too (``handback``, which needs an engine that preempts) or let them finish
         here.  ``run`` returns once none is left."""
         self.leaving = True

@@ -167,7 +167,8 @@ def greedy(runs: Sequence[RunView], workers: Sequence[WorkerView], switch_s: flo
 def lookahead(runs: Sequence[RunView], workers: Sequence[WorkerView], switch_s: float) -> dict[str, str]:
     """Shares by the demand ``switch_s`` ahead; a run keeps the workers it holds when lending them
     would not pay: its rollout ends within ``switch_s``, or its training within ``2 * switch_s``
-    (a lent worker must switch away and back)."""
+    (a lent worker must switch away and back).  The pool passes its decision horizon as
+    ``switch_s`` (``roles/pool.decision_horizon``: the switch plus one tick)."""
     quota = shares({r.run: demand(r, switch_s) for r in runs}, len(workers))
     quota = with_floors(quota, floors(runs, workers), len(workers))
     keep = {r.run for r in runs if _ends_within(r, switch_s if r.phase == "rollout" else 2 * switch_s)}

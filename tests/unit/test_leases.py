@@ -119,6 +119,12 @@ class _StubBroker:
     async def drop_heartbeat(self, worker: str) -> None:
         return None
 
+    async def decode_or_dlq(self, entry: Any, *_: Any) -> RolloutRequest:
+        return _request(self.run, int(entry.id[1:]))
+
+    async def closed_groups(self, step: int) -> set[str]:
+        return set()
+
 
 def _request(run: str, i: int, share: int = 0) -> RolloutRequest:
     return RolloutRequest(
@@ -140,19 +146,30 @@ def test_a_pool_worker_pulls_only_into_free_slots(tmp_path: Path) -> None:
         assert asyncio.run(w.admission_limit()) == want, pooled
 
 
-def test_a_leaving_worker_hands_back_its_engine_queue_and_finishes_only_what_runs(tmp_path: Path) -> None:
+@pytest.mark.parametrize("handback", [False, True])
+def test_a_leaving_worker_hands_back_its_engine_queue_and_finishes_only_what_runs(
+    tmp_path: Path, handback: bool
+) -> None:
     """Catches: with ``pool.handback: false`` the leaving worker finished every request it held,
-    its engine's whole queue included (up to its share of a step), before it could switch."""
-    cfg = make_config(tmp_path, "r", "rollout.engine=emulated", "rollout.emulated.max_num_seqs=2",
-                      "rollout.emulated.time_scale=0.05", "rollout.emulated.length_median=50")  # fmt: skip
+    its engine's whole queue included (up to its share of a step), before it could switch; and a
+    request read as it left was started there all the same.  With ``handback`` every one goes."""
+    cfg = make_config(
+        tmp_path,
+        "r",
+        "rollout.engine=emulated",
+        "rollout.emulated.max_num_seqs=2",
+        "rollout.emulated.time_scale=0.05",
+        "rollout.emulated.length_median=5000",
+        "rollout.emulated.length_sigma=0",
+    )  # fmt: skip  (each request: 3 s of wall time)
 
     async def scenario() -> _StubBroker:
         b = _StubBroker("r")
         engine = EmulatedEngine(cfg.rollout.emulated)
         w = RolloutWorker(cfg, b, engine, "w0")  # type: ignore[arg-type]
         w.version = 0
-        for i in range(5):
-            entry: Any = type("E", (), {"id": f"e{i}", "stream": "requests"})()
+        entries: list[Any] = [type("E", (), {"id": f"e{i}", "stream": "requests"})() for i in range(6)]
+        for i, entry in enumerate(entries[:5]):
             w.inflight_reqs[entry.id] = (entry, _request("r", i))
             w.inflight[entry.id] = asyncio.create_task(w.handle(entry, _request("r", i)))
         for _ in range(10_000):  # until all five are in the engine: two running, three queued
@@ -160,15 +177,21 @@ def test_a_leaving_worker_hands_back_its_engine_queue_and_finishes_only_what_run
                 break
             await asyncio.sleep(0)
         assert len(engine.running) == 2 and len(engine.waiting) == 3
-        await w.leave(handback=False)  # no await before its hand-backs: none started since
-        await asyncio.wait_for(asyncio.gather(*list(w.inflight.values())), 30)
+        await w.leave(handback)
+        await w.admit(entries[5], asyncio.Event())  # read just as it left
+        await asyncio.wait_for(asyncio.gather(*list(w.inflight.values())), 60)
         await engine.close()
         w.scorer.close()
         return b
 
     b = asyncio.run(scenario())
-    assert len(b.migrated) == 3 and len(b.published) == 2, (b.migrated, b.published)
-    assert set(b.migrated) | set(b.published) == {f"0:{i}:0" for i in range(5)}
+    every = {f"0:{i}:0" for i in range(6)}
+    assert set(b.migrated) | set(b.published) == every and not set(b.migrated) & set(b.published)
+    if handback:
+        assert sorted(b.migrated) == sorted(every), (b.migrated, b.published)
+    else:  # the two running finish here; the three queued and the one read late go back
+        assert len(b.migrated) == 4 and len(b.published) == 2, (b.migrated, b.published)
+        assert "0:5:0" in b.migrated
 
 
 def test_with_migration_on_a_worker_publishes_its_load_as_often_as_its_peers_look(tmp_path: Path) -> None:
