@@ -145,6 +145,45 @@ def test_two_runs_share_a_pool_each_trained_exactly_once_on_its_own_versions(
     assert sr.hget(pool_keys(pool).stats, "lease_changes")
 
 
+@pytest.mark.slow
+def test_a_worker_lent_to_a_run_mid_rollout_gets_its_waiting_requests(
+    tmp_path: Path, run_name: str, redis_url: str, sr: redis.Redis
+) -> None:
+    """Issue 30: a worker lent to a run while that run still has requests no engine has started
+    must get some of them.  Catches: the run's own workers had each taken their share of the step
+    into their engine queues (``engine_queue: share``), so the lent worker found nothing to read
+    and idled until the run's next step (only migration could feed it).  No hand-backs and no
+    migration here, so the stream is the lent worker's only source of work."""
+    pool = f"{run_name}p"
+    cap = 4
+    cfgs = _cfgs(tmp_path, run_name, 2, pool, "rollout.pool.policy=greedy", "rollout.pool.handback=false",
+                 "rollout.migration.enabled=false", "rollout.engine_queue=share",
+                 f"rollout.emulated.max_num_seqs={cap}")  # fmt: skip
+    res = run_pool(cfgs, redis_url, tmp_path / "out", pool, workers=3, timeout_s=240)
+    samples = {cfg.run: [s for g in groups_on_stream(sr, cfg.run) for s in g.samples] for cfg in cfgs}
+    holder: dict[str, str] = {}  # worker -> run, replayed from the lease log
+    checked = []
+    for x in sorted(res.leases, key=lambda x: x.created_at):
+        t, run = x.created_at, x.to_run
+        others = [w for w, r in holder.items() if r == run and w != x.worker]
+        holder[x.worker] = run
+        if not x.from_run or not run:
+            continue
+        # the run's step under way at the lease: released before it, not all finished
+        live = [s for s in samples[run] if s.released_at <= t < s.finished_at]
+        if not live:
+            continue
+        step = min(s.step for s in live)
+        same = [s for s in live if s.step == step]
+        if len(same) < cap * (len(others) + 3):  # 3 engines' worth beyond the others' slots wait
+            continue
+        mine = [s for s in same if s.worker == x.worker]
+        checked.append((x.worker, run, len(same), len(others), len(mine)))
+    print("lent mid-rollout (worker, run, unfinished, other workers, taken):", checked)
+    assert checked, "no worker was lent to a run with requests waiting: the test shows nothing"
+    assert all(taken > 0 for *_, taken in checked), checked
+
+
 # Big groups (64 prompts x 8 samples of ~2.5k tokens: ~10 MB of groups pending in the trainer at a
 # step's end), as in the multiplex suite: the trainer's sweep of its own pending entries then takes
 # long enough for a commit to land while its reply is in flight.
