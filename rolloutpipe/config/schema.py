@@ -383,9 +383,11 @@ class TrainerConfig(_Section):
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     ref_path: str = ""  # reference checkpoint for the KL term; empty: the initial weights
     entropy_coef: float = 0.0  # loss -= entropy_coef x entropy (aggregated like the loss)
+    # group-mean-token-mean: each group weighs as one prompt (docs/grpo.md; not a verl option)
     loss_agg: Literal[
-        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
-    ] = "token-mean"
+        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+        "group-mean-token-mean",
+    ] = "token-mean"  # fmt: skip
     loss_agg_norm_len: int = Field(default=0, ge=0)  # seq-mean-token-sum-norm: 0 = rollout.max_new_tokens
     # engine: the engine's logprobs; recompute: the version-k trainer weights, per group (``frozen``
     # is the old name of recompute and still accepted)

@@ -6,9 +6,11 @@ numerator) and a *normaliser*, and divided only at the optimizer step.  Gradient
 this gives exactly the gradient of the mini-batch loss without knowing the mini-batch before it is
 complete.  It holds for every aggregation mode because each mode's normaliser is itself a sum over
 groups that a group can count on its own: the token count (``token-mean``), the sequence count
-(``seq-mean-token-mean``, ``seq-mean-token-sum``) or the sequence count times a constant length
-(``seq-mean-token-sum-norm``).  The one division that is not additive, a sequence's own token mean
-in ``seq-mean-token-mean``, is local to the sequence, so it is done when its group arrives.
+(``seq-mean-token-mean``, ``seq-mean-token-sum``), the sequence count times a constant length
+(``seq-mean-token-sum-norm``) or one (``group-mean-token-mean``).  The divisions that are not
+additive, a sequence's own token mean in ``seq-mean-token-mean`` and a group's own token mean in
+``group-mean-token-mean``, are local to the sequence or the group, so they are done when its group
+arrives.
 See ``docs/grpo.md`` for each option against verl and TRL.
 """
 
@@ -23,7 +25,10 @@ if TYPE_CHECKING:
 
     from rolloutpipe.config import Config, TrainerConfig
 
-LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+LossAgg = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+    "group-mean-token-mean",
+]  # fmt: skip
 AdvStd = Literal["unbiased", "biased", "none"]
 KlEstimator = Literal["k1", "k2", "k3"]
 
@@ -114,7 +119,11 @@ def tis_weight(trainer_old_logp: torch.Tensor, engine_logp: torch.Tensor, cap: f
 
 
 def aggregate_sum(
-    losses: torch.Tensor, mask: torch.Tensor, mode: LossAgg, norm_len: float = 1.0
+    losses: torch.Tensor,
+    mask: torch.Tensor,
+    mode: LossAgg,
+    norm_len: float = 1.0,
+    group_tokens: float | None = None,
 ) -> tuple[torch.Tensor, float]:
     """The group's contribution to the mini-batch loss numerator, and to its normaliser.
 
@@ -122,12 +131,19 @@ def aggregate_sum(
     ``seq-mean-token-mean`` = sum of per-sequence token means / sequences;
     ``seq-mean-token-sum`` = sum of per-sequence token sums / sequences;
     ``seq-mean-token-sum-norm`` = sum of per-sequence token sums / (sequences x ``norm_len``), the
-    constant length of Dr. GRPO.  An empty response adds nothing to a numerator; it counts as a
-    sequence in the ``seq-*`` normalisers (and as no token in ``token-mean``).
+    constant length of Dr. GRPO; ``group-mean-token-mean`` = sum of per-group token means / groups:
+    each group weighs as one prompt, whatever its size, so extra samples of a prompt (VIGOR) cut
+    that prompt's noise instead of raising its weight.  An empty response adds nothing to a
+    numerator; it counts as a sequence in the ``seq-*`` normalisers (and as no token in
+    ``token-mean``); a group of empty responses counts as a group.  ``group_tokens``: the whole
+    group's token count, when ``losses`` hold only part of it (a DeepSpeed rank's share).
     """
     masked = losses * mask
     if mode == "token-mean":
         return masked.sum(), float(mask.sum().item())
+    if mode == "group-mean-token-mean":
+        tokens = float(mask.sum().item()) if group_tokens is None else group_tokens
+        return masked.sum() / max(tokens, 1.0), 1.0
     n = float(losses.shape[0])
     if mode == "seq-mean-token-mean":
         return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum(), n
@@ -160,6 +176,8 @@ def group_normaliser(lengths: list[int], mode: LossAgg, norm_len: float = 1.0) -
     ``aggregate_sum`` returns as its second value (DeepSpeed ranks count the whole group with it)."""
     if mode == "token-mean":
         return float(sum(lengths))
+    if mode == "group-mean-token-mean":
+        return 1.0
     return float(len(lengths)) * (norm_len if mode == "seq-mean-token-sum-norm" else 1.0)
 
 
@@ -176,6 +194,7 @@ def group_loss(
     ref_logp: torch.Tensor | None,
     entropy: torch.Tensor | None,
     norm_len: float,
+    group_tokens: float | None = None,
 ) -> tuple[torch.Tensor, float, dict[str, float]]:
     """One group's loss numerator (with its graph), its normaliser, and sums of per-token stats.
 
@@ -206,7 +225,7 @@ def group_loss(
         if tc.entropy_coef:
             tok = tok - tc.entropy_coef * entropy
         sums["entropy"] = float((entropy.detach() * mask).sum().item())
-    num, den = aggregate_sum(tok, mask, tc.loss_agg, norm_len)
+    num, den = aggregate_sum(tok, mask, tc.loss_agg, norm_len, group_tokens)
     sums["loss"] = float(num.detach().item())
     return num, den, sums
 

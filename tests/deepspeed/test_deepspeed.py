@@ -101,6 +101,8 @@ SAME_MATHS = [
     pytest.param(3, "fp32", "engine", "token-mean", FP32, id="zero3"),
     pytest.param(3, "fp32", "frozen", "token-mean", FP32, id="zero3-frozen"),
     pytest.param(2, "fp32", "frozen", "seq-mean-token-mean", FP32, id="zero2-frozen-seqmean"),
+    # each rank holds half of every group: its numerator divides by the whole group's tokens
+    pytest.param(2, "fp32", "engine", "group-mean-token-mean", FP32, id="zero2-groupmean"),
     pytest.param(3, "bf16", "engine", "token-mean", BF16, id="zero3-bf16"),
     # the other loss options of docs/grpo.md, through the same grpo.group_loss
     pytest.param(

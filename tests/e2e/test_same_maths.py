@@ -166,7 +166,13 @@ def test_recomputing_old_logprobs_with_updated_weights_diverges(cgp_run: tuple[C
 # ----------------------------------------------------------------------------------------------------
 # The independent reference: one padded mini-batch, one loss, one backward, AdamW.
 
-MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+MODES = [
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+    "group-mean-token-mean",
+]
 TEMPERATURE = 0.9
 # (group size, response lengths are drawn in 0..4; group sizes vary as allocation policies make them)
 SIZES = [[5, 1, 3], [2, 4], [3, 3, 1]]  # per step, mini-batches of these groups: see _schedule
@@ -286,6 +292,7 @@ def _padded_reference(
         frozen = copy.deepcopy(model).eval() if recompute else None
         for mb in minibatches:
             rows = [(s, float(a)) for g in mb for s, a in zip(g.samples, g.advantages, strict=True)]
+            of_group = torch.tensor([gi for gi, g in enumerate(mb) for _ in g.samples])  # each row's group
             width = max(len(s.prompt_ids) + len(s.response_ids) for s, _ in rows)
             ids = torch.full((len(rows), width), PAD, dtype=torch.long)
             attn = torch.zeros((len(rows), width), dtype=torch.long)
@@ -322,6 +329,10 @@ def _padded_reference(
                 loss = (tok_sum / n_tok.clamp(min=1)).mean()
             elif tc.loss_agg == "seq-mean-token-sum":
                 loss = tok_sum.mean()
+            elif tc.loss_agg == "group-mean-token-mean":  # each group as one prompt
+                g_sum = torch.zeros(len(mb), dtype=torch.float64).index_add(0, of_group, tok_sum)
+                g_tok = torch.zeros(len(mb), dtype=torch.float64).index_add(0, of_group, n_tok)
+                loss = (g_sum / g_tok.clamp(min=1)).mean()
             else:
                 loss = tok_sum.mean() / (tc.loss_agg_norm_len or cfg.rollout.max_new_tokens)
             opt.zero_grad(set_to_none=True)

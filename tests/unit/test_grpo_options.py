@@ -206,6 +206,7 @@ MASK = [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]  # lengths 3, 2 and a
         ("seq-mean-token-mean", 6.5, 3.0),  # 6/3 + 9/2 + 0 (empty) over 3 sequences
         ("seq-mean-token-sum", 15.0, 3.0),  # 6 + 9 + 0 over 3 sequences
         ("seq-mean-token-sum-norm", 15.0, 24.0),  # over 3 sequences x norm_len 8
+        ("group-mean-token-mean", 3.0, 1.0),  # the group's token mean, 15 / 5, as one prompt
     ],
 )
 def test_aggregation_modes_by_hand(mode: str, num: float, den: float) -> None:
@@ -220,10 +221,32 @@ def test_a_group_of_empty_responses_adds_nothing() -> None:
     for mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
         num, den = aggregate_sum(losses, mask, mode)  # type: ignore[arg-type]
         assert num.item() == 0.0 and den == 2.0
+    num, den = aggregate_sum(losses, mask, "group-mean-token-mean")
+    assert num.item() == 0.0 and den == 1.0  # still a prompt of the mini-batch
+
+
+def test_a_group_split_over_ranks_keeps_its_own_token_mean() -> None:
+    """DeepSpeed gives each rank every world-th sample of a group: with the whole group's token
+    count, the ranks' numerators add up to the group's token mean (not a mean of two means)."""
+    losses, mask = torch.tensor(LOSSES), torch.tensor(MASK)
+    whole, _ = aggregate_sum(losses, mask, "group-mean-token-mean")
+    parts = [
+        aggregate_sum(losses[r::2], mask[r::2], "group-mean-token-mean", group_tokens=5.0)[0] for r in (0, 1)
+    ]
+    assert sum(p.item() for p in parts) == pytest.approx(whole.item()) == pytest.approx(3.0)
+    alone = [aggregate_sum(losses[r::2], mask[r::2], "group-mean-token-mean")[0].item() for r in (0, 1)]
+    assert sum(alone) != pytest.approx(3.0)  # each part's own mean would be wrong: 2.0 + 4.5
 
 
 @pytest.mark.parametrize(
-    "mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+    "mode",
+    [
+        "token-mean",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-sum-norm",
+        "group-mean-token-mean",
+    ],
 )
 def test_sum_then_normalise_equals_the_minibatch_loss(mode: str) -> None:
     """Groups one by one (sums, one division) == the mode's loss of the whole padded mini-batch,
@@ -244,6 +267,10 @@ def test_sum_then_normalise_equals_the_minibatch_loss(mode: str) -> None:
         want = sum(sum(s) / len(s) if s else 0.0 for s in seqs) / len(seqs)
     elif mode == "seq-mean-token-sum":
         want = sum(sum(s) for s in seqs) / len(seqs)
+    elif mode == "group-mean-token-mean":
+        per_group = [[lo[i, :ln].tolist() for i, ln in enumerate(lengths)] for lo, _, lengths in groups]
+        means = [sum(map(sum, g)) / max(sum(map(len, g)), 1) for g in per_group]
+        want = sum(means) / len(means)
     else:
         want = sum(sum(s) / 6.0 for s in seqs) / len(seqs)
     assert got == pytest.approx(want, rel=1e-12)

@@ -275,8 +275,9 @@ class _Replica:
                 adv = torch.from_numpy(group.advantages[self.rank :: self.world].astype("float32"))
                 # kl_coef > 0 is refused for this backend at config load (no reference model)
                 num, _, sums = group_loss(
-                    tc, logp, mask, adv.to(self.device), engine, old, None, ent, self.norm_len
-                )
+                    tc, logp, mask, adv.to(self.device), engine, old, None, ent, self.norm_len,
+                    group_tokens=float(sum(lengths)),  # a group mean over the whole group, every rank
+                )  # fmt: skip
                 for k, v in sums.items():
                     self.sums[k] = self.sums.get(k, 0.0) + v
             if num is None or not num.requires_grad:  # nothing here: back up an exact zero
