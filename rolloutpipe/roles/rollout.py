@@ -370,8 +370,8 @@ class RolloutWorker:
         self.leaving = True
         self.slot_freed.set()
         is_queued = getattr(self.engine, "queued", None)
-        queued = [e for e, (_, req) in self.inflight_reqs.items() if is_queued and is_queued(req.request_id)]
-        self.preempt_entries(queued)
+        queued = {e for e, (_, req) in self.inflight_reqs.items() if is_queued and is_queued(req.request_id)}
+        self.preempt_entries(list(queued))
         if handback:
             self.preempt_entries([e for e in list(self.inflight_reqs) if e not in queued])
 
