@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from rolloutpipe.bench import pool_ceiling
 from rolloutpipe.bench.harness import (
     CONFIGS,
     Suite,
@@ -37,6 +38,7 @@ from rolloutpipe.bench.harness import (
     write_results,
 )
 from rolloutpipe.bench.paper import interval
+from rolloutpipe.bench.pool_ceiling import steady
 from rolloutpipe.config import load_config
 from rolloutpipe.errors import ConfigError
 from rolloutpipe.launch.pool import PoolRun, run_pool
@@ -55,6 +57,7 @@ MODES: dict[str, list[str]] = {
     ],
 }  # fmt: skip
 SHARED = "lookahead"  # the headline's shared pool
+CONTROL = "static-migration"  # the control of every claim (migration on, as in the shared modes)
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -62,8 +65,10 @@ def load(path: Path) -> dict[str, Any]:
         raise ConfigError(f"benchmark suite not found: {path}")
     spec: dict[str, Any] = yaml.safe_load(path.read_text())
     unknown = [m for m in spec.get("modes", []) if m not in MODES]
-    if unknown or "static" not in spec.get("modes", []):
-        raise ConfigError(f"multiplex modes must include static and be among {sorted(MODES)}: {unknown}")
+    if unknown or not {"static", CONTROL} <= set(spec.get("modes", [])):
+        raise ConfigError(
+            f"multiplex modes must include static and {CONTROL} and be among {sorted(MODES)}: {unknown}"
+        )
     return spec
 
 
@@ -71,7 +76,13 @@ def summarise(res: PoolRun, workers: int) -> dict[str, Any]:
     starts = [m.step_start for ms in res.metrics.values() for m in ms]
     window = max(res.ended - min(starts), 1e-9)
     samples = sum(m.samples for ms in res.metrics.values() for m in ms)
+    runs = list(res.metrics.values())
+    st = steady([[m.step_start for m in ms] for ms in runs], [[m.train_end for m in ms] for ms in runs],
+                [ms[0].samples if ms else 0 for ms in runs])  # fmt: skip
     return {
+        "steady_samples_per_s": st.samples_per_s,
+        "steady_window_s": st.window_s,
+        "steady_whole_span": st.whole,
         "samples_per_s": samples / window,
         "window_s": window,
         "samples": samples,
@@ -83,8 +94,9 @@ def summarise(res: PoolRun, workers: int) -> dict[str, Any]:
             run: {
                 "r2t": [m.rollout_to_train_end_s for m in ms[1:]],
                 "wait": [m.trainer_wait_ratio for m in ms[1:]],
+                "period_s": p,
             }
-            for run, ms in res.metrics.items()
+            for (run, ms), p in zip(res.metrics.items(), st.period_s, strict=True)
         },
         "fence_rejections": sum(m.fence_rejections for ms in res.metrics.values() for m in ms),
         "dead_letters": sum(m.dead_letters for ms in res.metrics.values() for m in ms),
@@ -96,28 +108,45 @@ def _iv(xs: list[float]) -> dict[str, float]:
     return {"mean": mean, "lo": lo, "hi": hi, "n": len(xs)}
 
 
-def aggregate(reps: dict[str, list[dict[str, Any]]], runs: list[str]) -> dict[str, Any]:
-    """Per mode: means and intervals over repeats, each run's r2t pooled, ratios paired with static."""
+def _paired(rs: list[dict[str, Any]], base: list[dict[str, Any]], key: str) -> dict[str, float]:
+    return _iv([r[key] / b[key] for r, b in zip(rs, base, strict=False)])
+
+
+def _r2t_vs(rs: list[dict[str, Any]], base: list[dict[str, Any]], run: str) -> float:
+    mine = [x for r in rs for x in r["runs"][run]["r2t"]]
+    alone = [x for b in base for x in b["runs"][run]["r2t"]]
+    return statistics.fmean(mine) / statistics.fmean(alone) if mine and alone else math.nan
+
+
+def aggregate(
+    reps: dict[str, list[dict[str, Any]]], runs: list[str], ceiling: float | None = None
+) -> dict[str, Any]:
+    """Per mode: means and intervals over repeats, each run's r2t pooled, ratios paired by repeat
+    with ``static`` and (when it ran) with ``static-migration``, the control of every claim; with
+    the setting's simulated ``ceiling`` (ideal / static), the share of its gain each mode captures."""
     out: dict[str, Any] = {}
     static = reps["static"]
+    control = reps.get(CONTROL) or []
     for mode, rs in reps.items():
         d: dict[str, Any] = {
-            k: _iv([r[k] for r in rs]) for k in ("samples_per_s", "pool_utilisation", "switch_s")
+            k: _iv([r[k] for r in rs])
+            for k in ("steady_samples_per_s", "samples_per_s", "pool_utilisation", "switch_s")
         }
         d["lease_changes"] = _iv([float(r["lease_changes"]) for r in rs])
         d["migrations"] = _iv([float(r["migrations"]) for r in rs])
-        d["throughput_vs_static"] = _iv(
-            [r["samples_per_s"] / s["samples_per_s"] for r, s in zip(rs, static, strict=False)]
-        )
+        d["throughput_vs_static"] = _paired(rs, static, "samples_per_s")
+        d["steady_ratio_vs_static"] = _paired(rs, static, "steady_samples_per_s")
+        if control:
+            v = d["steady_ratio_vs_static_migration"] = _paired(rs, control, "steady_samples_per_s")
+            if ceiling is not None and ceiling > 1:
+                d["share_of_ceiling_gain"] = (v["mean"] - 1) / (ceiling - 1)
         d["runs"] = {}
         for run in runs:
-            mine = [x for r in rs for x in r["runs"][run]["r2t"]]
-            alone = [x for s in static for x in s["runs"][run]["r2t"]]
             d["runs"][run] = {
-                "r2t": _iv(mine),
-                "r2t_vs_static": statistics.fmean(mine) / statistics.fmean(alone)
-                if mine and alone
-                else math.nan,
+                "r2t": _iv([x for r in rs for x in r["runs"][run]["r2t"]]),
+                "period_s": _iv([r["runs"][run]["period_s"] for r in rs]),
+                "r2t_vs_static": _r2t_vs(rs, static, run),
+                "r2t_vs_static_migration": _r2t_vs(rs, control, run) if control else math.nan,
             }
         d["fence_rejections"] = sum(r["fence_rejections"] for r in rs)
         d["dead_letters"] = sum(r["dead_letters"] for r in rs)
@@ -125,40 +154,71 @@ def aggregate(reps: dict[str, list[dict[str, Any]]], runs: list[str]) -> dict[st
     return out
 
 
-def table(what: str, workers: int, agg: dict[str, Any]) -> str:
+def _x(v: dict[str, float]) -> str:
+    return f"{v['mean']:.2f}x [{v['lo']:.2f}, {v['hi']:.2f}]"
+
+
+def table(what: str, workers: int, agg: dict[str, Any], ceil: dict[str, Any] | None = None) -> str:
+    reps = next(iter(agg.values()))["steady_samples_per_s"]["n"]
     lines = [
-        f"{what} on {workers} pool workers (mean [95% interval] over repeats)",
-        "| mode | samples/s | vs static | pool utilisation | worst run r2t vs static | lease changes |"
-        " migrations |",
-        "|---|---|---|---|---|---|---|",
+        f"{what} on {workers} pool workers: steady state, samples/s over the window where every run is"
+        f" past step 2 and none has ended (mean [95% interval] over {reps} repeats)",
+        f"| mode | samples/s | vs static | vs {CONTROL} | share of the ceiling's gain | step period (s) |"
+        f" worst run r2t vs {CONTROL} | pool utilisation | lease changes | migrations | fence rejections |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, d in agg.items():
-        s, v, u = d["samples_per_s"], d["throughput_vs_static"], d["pool_utilisation"]
-        worst = max(x["r2t_vs_static"] for x in d["runs"].values())
+        s, u = d["steady_samples_per_s"], d["pool_utilisation"]
+        vc = d.get("steady_ratio_vs_static_migration")
+        share = d.get("share_of_ceiling_gain")
+        worst = max(x["r2t_vs_static_migration"] for x in d["runs"].values())
+        period = statistics.fmean(x["period_s"]["mean"] for x in d["runs"].values())
+        cells = [
+            mode, f"{s['mean']:.0f} [{s['lo']:.0f}, {s['hi']:.0f}]", _x(d["steady_ratio_vs_static"]),
+            _x(vc) if vc else "-", "-" if share is None else f"{share:.0%}", f"{period:.2f}", f"{worst:.2f}x",
+            f"{u['mean']:.0%} [{u['lo']:.0%}, {u['hi']:.0%}]", f"{d['lease_changes']['mean']:.0f}",
+            f"{d['migrations']['mean']:.0f}", str(d["fence_rejections"]),
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    if ceil:
+        sch = {k: f"{v['samples_per_emulated_s']:.2f}" for k, v in ceil["schedules"].items()}
+        per = ", ".join(f"{x:.3f} ({b})" for x, b in zip(ceil["per_seed"], ceil["best"], strict=True))
         lines.append(
-            f"| {mode} | {s['mean']:.0f} [{s['lo']:.0f}, {s['hi']:.0f}] | {v['mean']:.2f}x [{v['lo']:.2f}, "
-            f"{v['hi']:.2f}] | {u['mean']:.0%} [{u['lo']:.0%}, {u['hi']:.0%}] | {worst:.2f}x | "
-            f"{d['lease_changes']['mean']:.0f} | {d['migrations']['mean']:.0f} |"
+            f"Simulated ceiling (rolloutpipe/bench/pool_ceiling.py, the same cost models, no broker): "
+            f"{ceil['ceiling_ratio']:.3f}x static (per seed, with the schedule that won: {per}); samples per "
+            f"emulated s: static {sch['static']}, ideal {sch['ideal']}, ideal-pack {sch['ideal-pack']}"
         )
+        if CONTROL in agg and "time_scale" in ceil:
+            meas = agg[CONTROL]["steady_samples_per_s"]["mean"] * ceil["time_scale"]
+            model = ceil["schedules"]["static"]["samples_per_emulated_s"]
+            lines.append(
+                f"Measured {CONTROL}: {meas:.2f} samples per emulated s, {meas / model:.0%} of the model's"
+                " static (the rest is the broker, Python and the control plane)"
+            )
     return "\n".join(lines)
 
 
-def targets(by_n: dict[str, dict[str, Any]]) -> str:
-    out = ["Targets (issue 14), for the shared pool (lookahead) against the static split:"]
+def target_ratio(ceiling: float) -> float:
+    """Issue 30's target: 90% of the simulated ceiling's gain over the control."""
+    return 1 + 0.9 * (ceiling - 1)
+
+
+def targets(by_n: dict[str, dict[str, Any]], ceilings: dict[str, dict[str, Any]]) -> str:
+    out = [f"Targets (issue 30), the shared pool ({SHARED}) against {CONTROL}, steady state:"]
     for n, agg in by_n.items():
-        if SHARED not in agg:
+        if SHARED not in agg or "steady_ratio_vs_static_migration" not in agg[SHARED]:
             continue
-        v = agg[SHARED]["throughput_vs_static"]
-        ok = "met" if v["mean"] >= 1.5 else f"MISSED by {1.5 - v['mean']:.2f}x"
+        v = agg[SHARED]["steady_ratio_vs_static_migration"]
+        c = ceilings[n]["ceiling_ratio"]
+        want = target_ratio(c)
+        ok = "met" if v["mean"] >= want else f"MISSED by {want - v['mean']:.3f}x"
         out.append(
-            f"- {n}: throughput {v['mean']:.2f}x [{v['lo']:.2f}, {v['hi']:.2f}] (target >= 1.5x): {ok}"
+            f"- {n}: throughput {_x(v)}; ceiling {c:.3f}x, target >= {want:.3f}x (90% of its gain): {ok}"
         )
-        _, worst = max(agg[SHARED]["runs"].items(), key=lambda kv: kv[1]["r2t_vs_static"])
-        r = worst["r2t_vs_static"]
+        _, worst = max(agg[SHARED]["runs"].items(), key=lambda kv: kv[1]["r2t_vs_static_migration"])
+        r = worst["r2t_vs_static_migration"]
         ok = "met" if r <= 1.10 else f"MISSED by {r - 1.10:.2f}"
-        out.append(
-            f"- {n}: worst run's rollout-to-train-end {r:.2f}x its static share's (target <= 1.10): {ok}"
-        )
+        out.append(f"- {n}: worst run's rollout-to-train-end {r:.2f}x on {CONTROL} (target <= 1.10): {ok}")
     return "\n".join(out)
 
 
@@ -184,13 +244,14 @@ def run_multiplex(
     counts: list[int] = [2] if quick else list(spec["run_counts"])
     run_modes: list[str] = list(spec["run_modes"])[:1] if quick else list(spec["run_modes"])
     repeats = 1 if quick else int(spec["repeats"])
-    modes: list[str] = ["static", SHARED] if quick else list(spec["modes"])
+    modes: list[str] = ["static", CONTROL, SHARED] if quick else list(spec["modes"])
     per_run = int(spec["workers_per_run"])
     load_config(base, common, environ={})  # fail fast on a bad config
     out.mkdir(parents=True, exist_ok=True)
     total = len(run_modes) * len(counts) * repeats * len(modes)
     results: dict[str, Any] = {"suite": "multiplex", "config": spec, "by_runs": {}}
     by_n: dict[str, dict[str, Any]] = {}
+    ceilings: dict[str, dict[str, Any]] = {}
     tables = []
     with session(url, progress=progress, total=total, desc="multiplex") as sess:
         redis_url = sess.url
@@ -199,6 +260,7 @@ def run_multiplex(
             workers = per_run * n
             names = [f"mx{n}-{chr(97 + i)}" for i in range(n)]
             reps: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+            ceil: dict[str, Any] = {}
             for rep in range(repeats):
                 for mode in modes:
                     tag = f"{key}-{mode}-{rep}"
@@ -211,6 +273,9 @@ def run_multiplex(
                                            *(run_overrides[i] if i < len(run_overrides) else ())], environ={})
                         for i, run in enumerate(runs)
                     ]  # fmt: skip
+                    if not ceil:  # the setting's simulated ceiling, on the first run's cost models
+                        ceil = pool_ceiling.ceiling(n, per_run, pool_ceiling.Model.of(cfgs[0]), seeds=3)
+                        ceil["time_scale"] = cfgs[0].rollout.emulated.time_scale
                     sess.label(tag)
                     res = run_pool(cfgs, redis_url, out / tag, pool, workers)
                     s = summarise(res, workers)
@@ -218,11 +283,14 @@ def run_multiplex(
                     s["leases"] = [x.model_dump(mode="json") for x in res.leases]
                     reps[mode].append(s)
                     sess.advance()
-            agg = aggregate(reps, names)
+            agg = aggregate(reps, names, ceil["ceiling_ratio"])
             by_n[key] = agg
+            ceilings[key] = ceil
             results["by_runs"][key] = {"run_mode": rm, "runs": n, "workers": workers, "modes": agg,
+                                       "ceiling_ratio": ceil["ceiling_ratio"], "ceiling": ceil,
+                                       "target_ratio": target_ratio(ceil["ceiling_ratio"]),
                                        "repeats": reps}  # fmt: skip
-            tables.append(table(f"{n} runs ({rm})", workers, agg))
+            tables.append(table(f"{n} runs ({rm})", workers, agg, ceil))
             try:
                 from rolloutpipe.tools.timeline import plot_multiplex
 
@@ -235,15 +303,18 @@ def run_multiplex(
     first = f"{run_modes[0]}-{counts[0]}runs"
     head = by_n[first]
     shared_sps = head[SHARED]["samples_per_s"]["mean"] if SHARED in head else None
-    results["shared"] = {"mode": SHARED, "setting": first, "samples_per_s": shared_sps}
-    results["static"] = {"setting": first, "samples_per_s": head["static"]["samples_per_s"]["mean"]}
+    steady_sps = head[SHARED]["steady_samples_per_s"]["mean"] if SHARED in head else None
+    results["shared"] = {"mode": SHARED, "setting": first, "samples_per_s": shared_sps,
+                         "steady_samples_per_s": steady_sps}  # fmt: skip
+    results["static"] = {"setting": first, "samples_per_s": head["static"]["samples_per_s"]["mean"],
+                         "steady_samples_per_s": head["static"]["steady_samples_per_s"]["mean"]}  # fmt: skip
     results["runs"] = {
         run: {"shared_r2t": head[SHARED]["runs"][run]["r2t"]["mean"] if SHARED in head else None,
               "static_r2t": head["static"]["runs"][run]["r2t"]["mean"]}
         for run in head["static"]["runs"]
     }  # fmt: skip
     results["wall_s"] = sess.wall_s
-    text = "\n\n".join([*tables, targets(by_n)])
+    text = "\n\n".join([*tables, targets(by_n, ceilings)])
     write_results(out, results, text, default=str)
     return text, where(out, results["wall_s"])
 

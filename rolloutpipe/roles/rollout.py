@@ -81,6 +81,12 @@ class RolloutWorker:
         engine may take its share of the step into its own queue (``rollout.engine_queue: share``).
         A pool's worker never does (late binding): the requests a run's engines cannot start yet
         stay on ``requests``, where a worker lent to the run mid-rollout finds them at once.
+
+        The share divides by the run's workers: the live ones, and never fewer than
+        ``rollout.workers`` (the run's configured count).  Counting only the live ones let the
+        first worker up, alone in the registry, take a whole step before its peers' first
+        heartbeat.  A configured worker that never comes up loses nothing: its share stays on
+        ``requests`` for the others' free slots.
         """
         cap = self.engine.capacity
         rc = self.cfg.rollout
@@ -89,7 +95,7 @@ class RolloutWorker:
         now = time.monotonic()
         if now - self._live_checked > 0.5:
             self._live_checked = now
-            self._live = max(1, len(await self.b.live_workers()))
+            self._live = max(1, rc.workers, len(await self.b.live_workers()))
         return max(cap, -(-self.queue_share_of // self._live))
 
     async def heartbeat(self, stop: asyncio.Event) -> None:

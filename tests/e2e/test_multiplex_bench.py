@@ -1,6 +1,7 @@
-"""``bench --suite multiplex --quick`` end to end on small runs: it writes the results the issue
-asks for (``shared``/``static`` samples/s, per-run rollout-to-train-end) and the timeline, and the
-static split never moves a worker while the shared pool does."""
+"""``bench --suite multiplex --quick`` end to end on small runs: it writes the results the issues
+ask for (``shared``/``static`` samples/s, per-run rollout-to-train-end; issue 30's steady ratios to
+``static-migration`` and the simulated ceiling) and the timeline, and the static split never moves
+a worker while the shared pool does."""
 
 from __future__ import annotations
 
@@ -45,4 +46,11 @@ def test_quick_multiplex_bench_writes_results_and_a_timeline(tmp_path: Path, red
     assert static["fence_rejections"] == shared["fence_rejections"] == 0
     assert 0 < static["pool_utilisation"] <= 1 and 0 < shared["pool_utilisation"] <= 1
     assert Path(setting["timeline_png"]).stat().st_size > 10_000
-    assert "Targets (issue 14)" in text and "results.json" in where
+    # issue 30: the control, the simulated ceiling (never below the split it can keep), the share
+    assert setting["ceiling_ratio"] >= 1.0 and len(setting["ceiling"]["per_seed"]) == 3
+    for mode in ("static", "static-migration", "lookahead"):
+        v = setting["modes"][mode]["steady_ratio_vs_static_migration"]
+        assert v["mean"] > 0 and v["n"] == 1
+        assert setting["repeats"][mode][0]["steady_samples_per_s"] > 0
+    assert setting["modes"]["static-migration"]["steady_ratio_vs_static_migration"]["mean"] == 1.0
+    assert "Simulated ceiling" in text and "Targets (issue 30)" in text and "results.json" in where

@@ -146,6 +146,18 @@ def test_a_pool_worker_pulls_only_into_free_slots(tmp_path: Path) -> None:
         assert asyncio.run(w.admission_limit()) == want, pooled
 
 
+def test_the_first_worker_up_takes_only_its_share_of_a_step(tmp_path: Path) -> None:
+    """Catches the startup race: alone in the registry before its peers' first heartbeat, the
+    first worker up took the whole step (1,024) into its engine's queue.  It takes its share of the
+    run's configured workers, or of the live ones when more are up."""
+    over = (*SUITE, "rollout.emulated.max_num_seqs=8", "rollout.engine_queue=share", "rollout.workers=4")
+    cfg = make_config(tmp_path, "r", *over)
+    for live, want in ((1, 256), (4, 256), (8, 128)):
+        w = RolloutWorker(cfg, _StubBroker("r", n_live=live), EmulatedEngine(cfg.rollout.emulated), "w0")  # type: ignore[arg-type]
+        w.queue_share_of = 1024
+        assert asyncio.run(w.admission_limit()) == want, live
+
+
 @pytest.mark.parametrize("handback", [False, True])
 def test_a_leaving_worker_hands_back_its_engine_queue_and_finishes_only_what_runs(
     tmp_path: Path, handback: bool
