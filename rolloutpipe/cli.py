@@ -112,7 +112,9 @@ def _parser() -> argparse.ArgumentParser:
     pool.add_argument("--redis-url", required=True)
     pool.add_argument("--pool", required=True, help="the pool's name (its workers: rollout --pool NAME)")
     pool.add_argument("--runs", required=True, help="comma-separated runs to lease the pool's workers to")
-    pool.add_argument("--policy", choices=["greedy", "lookahead", "static"], help="rollout.pool.policy")
+    pool.add_argument(
+        "--policy", choices=["greedy", "lookahead", "stagger", "static"], help="rollout.pool.policy"
+    )
     pool.add_argument("overrides", nargs="*", help="dotted.key=value")
 
     report = sub.add_parser("report", help="timeline and per-step pictures plus one HTML page of a run")

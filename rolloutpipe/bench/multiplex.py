@@ -52,6 +52,9 @@ MODES: dict[str, list[str]] = {
     "lookahead": [
         "rollout.pool.policy=lookahead", "rollout.pool.handback=true", "rollout.migration.enabled=true",
     ],
+    "stagger": [
+        "rollout.pool.policy=stagger", "rollout.pool.handback=true", "rollout.migration.enabled=true",
+    ],
     "lookahead-no-migration": [
         "rollout.pool.policy=lookahead", "rollout.pool.handback=false", "rollout.migration.enabled=false",
     ],
@@ -95,6 +98,7 @@ def summarise(res: PoolRun, workers: int) -> dict[str, Any]:
                 "r2t": [m.rollout_to_train_end_s for m in ms[1:]],
                 "wait": [m.trainer_wait_ratio for m in ms[1:]],
                 "period_s": p,
+                "first_r2t": ms[0].rollout_to_train_end_s if ms else math.nan,
             }
             for (run, ms), p in zip(res.metrics.items(), st.period_s, strict=True)
         },
@@ -147,6 +151,11 @@ def aggregate(
                 "period_s": _iv([r["runs"][run]["period_s"] for r in rs]),
                 "r2t_vs_static": _r2t_vs(rs, static, run),
                 "r2t_vs_static_migration": _r2t_vs(rs, control, run) if control else math.nan,
+                # the first step (not in r2t): the delay a policy adds to a run's start, staggering
+                "first_r2t_vs_static_migration": statistics.fmean(r["runs"][run]["first_r2t"] for r in rs)
+                / statistics.fmean(c["runs"][run]["first_r2t"] for c in control)
+                if control
+                else math.nan,
             }
         d["fence_rejections"] = sum(r["fence_rejections"] for r in rs)
         d["dead_letters"] = sum(r["dead_letters"] for r in rs)
@@ -204,21 +213,27 @@ def target_ratio(ceiling: float) -> float:
 
 
 def targets(by_n: dict[str, dict[str, Any]], ceilings: dict[str, dict[str, Any]]) -> str:
-    out = [f"Targets (issue 30), the shared pool ({SHARED}) against {CONTROL}, steady state:"]
+    out = [f"Targets (issue 30), each shared mode against {CONTROL}, steady state:"]
     for n, agg in by_n.items():
-        if SHARED not in agg or "steady_ratio_vs_static_migration" not in agg[SHARED]:
-            continue
-        v = agg[SHARED]["steady_ratio_vs_static_migration"]
         c = ceilings[n]["ceiling_ratio"]
         want = target_ratio(c)
-        ok = "met" if v["mean"] >= want else f"MISSED by {want - v['mean']:.3f}x"
-        out.append(
-            f"- {n}: throughput {_x(v)}; ceiling {c:.3f}x, target >= {want:.3f}x (90% of its gain): {ok}"
-        )
-        _, worst = max(agg[SHARED]["runs"].items(), key=lambda kv: kv[1]["r2t_vs_static_migration"])
-        r = worst["r2t_vs_static_migration"]
-        ok = "met" if r <= 1.10 else f"MISSED by {r - 1.10:.2f}"
-        out.append(f"- {n}: worst run's rollout-to-train-end {r:.2f}x on {CONTROL} (target <= 1.10): {ok}")
+        for mode in [m for m in agg if m not in ("static", CONTROL)]:
+            v = agg[mode].get("steady_ratio_vs_static_migration")
+            if v is None:
+                continue
+            ok = "met" if v["mean"] >= want else f"MISSED by {want - v['mean']:.3f}x"
+            out.append(
+                f"- {n} {mode}: throughput {_x(v)}; ceiling {c:.3f}x, target >= {want:.3f}x"
+                f" (90% of its gain): {ok}"
+            )
+            runs = agg[mode]["runs"].values()
+            r = max(x["r2t_vs_static_migration"] for x in runs)
+            first = max(x["first_r2t_vs_static_migration"] for x in runs)
+            ok = "met" if r <= 1.10 else f"MISSED by {r - 1.10:.2f}"
+            out.append(
+                f"- {n} {mode}: worst run's rollout-to-train-end {r:.2f}x on {CONTROL}"
+                f" (target <= 1.10): {ok}; its first step {first:.2f}x"
+            )
     return "\n".join(out)
 
 

@@ -201,8 +201,8 @@ class PoolConfig(_Section):
 
     name: str = ""  # the pool's name; empty: no pool, a worker serves its ``--run`` alone
     runs: list[str] = Field(default_factory=list)  # runs the pool scheduler leases workers to
-    # greedy | lookahead (``scheduling/leases.py``), or static: worker i serves runs[i mod n]
-    policy: Literal["greedy", "lookahead", "static"] = "lookahead"
+    # greedy | lookahead | stagger (``scheduling/leases.py``), or static: worker i serves runs[i mod n]
+    policy: Literal["greedy", "lookahead", "stagger", "static"] = "lookahead"
     tick_s: float = Field(default=0.05, gt=0)  # how often the scheduler looks at the runs
     # On a lease change a worker hands its running requests back to their run (continuations,
     # resumed by the run's other workers: long-tail migration) and switches at once (true), or

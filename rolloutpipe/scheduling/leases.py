@@ -10,7 +10,7 @@ A run's *stage graph* is the cycle rollout -> group completion -> train -> weigh
 The scheduler sees each run's current stage (``RunView``, read from the run's own keys) and, for
 look-ahead, the measured duration of that run's last train-and-sync stage.
 
-Two policies, both pure (no Redis, no asyncio; ``roles/pool.py`` is the I/O around them):
+Three policies, all pure (no Redis, no asyncio; ``roles/pool.py`` is the I/O around them):
 
 * ``greedy``: the workers are shared in proportion to each run's requests outstanding *now*
   (a run waiting for its first plan counts a whole step).  A run that trains gets nothing; it
@@ -25,6 +25,9 @@ Two policies, both pure (no Redis, no asyncio; ``roles/pool.py`` is the I/O arou
   ``switch_s``, or its training within ``2 * switch_s`` (a lent worker must switch away and
   back before it is needed again).  A rollout that has outlived its prediction is overdue,
   not "ending soon": it keeps only its floor.
+* ``stagger``: ``lookahead`` served oldest step first rather than in proportion (``stagger``'s
+  docstring): proportional shares give the run that is further along fewer workers, which pulls
+  identical runs into phase, so that both train at once and nothing is left to lend.
 
 Shares: largest remainder of ``workers * demand / total demand``, at least one worker for every
 run with demand (while workers last), and no run more workers than it has requests.  Both keep
@@ -171,6 +174,42 @@ def lookahead(runs: Sequence[RunView], workers: Sequence[WorkerView], switch_s: 
     ``switch_s`` (``roles/pool.decision_horizon``: the switch plus one tick)."""
     quota = shares({r.run: demand(r, switch_s) for r in runs}, len(workers))
     quota = with_floors(quota, floors(runs, workers), len(workers))
+    return assign(_keep(runs, workers, quota, switch_s), workers)
+
+
+def step_began(r: RunView, horizon_s: float = 0.0) -> float:
+    """When the run's current (or, training, its next) step began, in seconds from now: the
+    elapsed time of a rollout or of a wait for the plan, negated; a training run's predicted end
+    (later than now, by its last training; ``horizon_s`` if not yet measured)."""
+    if r.phase == "training":
+        return (r.last_train_s if r.last_train_s is not None else horizon_s) - r.phase_elapsed_s
+    return -r.phase_elapsed_s
+
+
+def stagger(runs: Sequence[RunView], workers: Sequence[WorkerView], switch_s: float) -> dict[str, str]:
+    """``lookahead``'s demand, horizon and keeps, but served oldest step first instead of in
+    proportion: each run in the order its step began gets the workers its demand fills
+    (``ceil(demand / slots)``) while workers last, so the run that started first ends its rollout
+    first and trains while the next rolls out on the rest: the runs' phases interleave instead of
+    being pulled into line by proportional shares.  A younger run keeps the workers its requests
+    fill (``floors``); workers nobody fills stay where they are.  This is the order of the
+    simulated ceiling's ``ideal`` schedule (``bench/pool_ceiling.py``) and JigsawRL's; its cost is
+    the wait it adds to a younger run's rollout, which the suite reports (its first step's r2t)."""
+    cap = max(1, max((w.capacity for w in workers), default=1))
+    want = {r.run: demand(r, switch_s) for r in runs}
+    quota, left = dict.fromkeys(want, 0), len(workers)
+    for r in sorted(runs, key=lambda r: (step_began(r, switch_s), r.run)):
+        quota[r.run] = min(left, -(-want[r.run] // cap))
+        left -= quota[r.run]
+    quota = with_floors(quota, floors(runs, workers), len(workers))
+    return assign(_keep(runs, workers, quota, switch_s), workers)
+
+
+def _keep(
+    runs: Sequence[RunView], workers: Sequence[WorkerView], quota: dict[str, int], switch_s: float
+) -> dict[str, int]:
+    """A run keeps the workers it holds when lending them would not pay: its rollout ends within
+    ``switch_s``, or its training within ``2 * switch_s``; the difference comes from the others."""
     keep = {r.run for r in runs if _ends_within(r, switch_s if r.phase == "rollout" else 2 * switch_s)}
     held = {r: sum(1 for w in workers if w.run == r) for r in keep}
     for r, n in held.items():  # keep what it has; take the difference from the others' spare
@@ -182,7 +221,7 @@ def lookahead(runs: Sequence[RunView], workers: Sequence[WorkerView], switch_s: 
             while extra > 0 and other not in keep and quota[other] > 1:
                 quota[other] -= 1
                 extra -= 1
-    return assign(quota, workers)
+    return quota
 
 
 def _ends_within(r: RunView, horizon_s: float) -> bool:
@@ -198,4 +237,4 @@ def _ends_within(r: RunView, horizon_s: float) -> bool:
     return left <= horizon_s and (left >= 0.0 or r.phase != "rollout")
 
 
-POLICIES = {"greedy": greedy, "lookahead": lookahead}
+POLICIES = {"greedy": greedy, "lookahead": lookahead, "stagger": stagger}

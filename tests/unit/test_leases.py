@@ -17,7 +17,7 @@ from rolloutpipe.broker.keys import Keys
 from rolloutpipe.engines.emulated import EmulatedEngine
 from rolloutpipe.roles import pool
 from rolloutpipe.roles.rollout import RolloutWorker
-from rolloutpipe.scheduling.leases import RunView, WorkerView, assign, greedy, lookahead
+from rolloutpipe.scheduling.leases import RunView, WorkerView, assign, greedy, lookahead, stagger
 from tests.support.config import make_config
 
 # the multiplex suite's control plane: a 0.5 emulated-second switch at time_scale 0.02 (10 ms of
@@ -226,3 +226,35 @@ def test_with_migration_on_a_worker_publishes_its_load_as_often_as_its_peers_loo
 
     b = asyncio.run(scenario())
     assert b.beats >= 5 and b.touches == 1, (b.beats, b.touches)  # not one 30 s heartbeat each
+
+
+def test_stagger_serves_the_oldest_step_first_where_lookahead_shares_by_demand() -> None:
+    """Catches proportional shares pulling runs into phase: a spare worker went to the run with
+    more requests left, the one whose step began later, so the older run's rollout ended no earlier
+    and both trained at once.  ``stagger`` gives it to the run whose step began first."""
+    runs = [
+        RunView("a", "rollout", 600, 1024, 3.0, 2.0, 4.0),
+        RunView("b", "rollout", 1000, 1024, 1.0, 2.0, 4.0),
+    ]
+    ws = [WorkerView("w0", "a", 256, 256), WorkerView("w1", "a", 256, 256), WorkerView("w2", "b", 256, 256),
+          WorkerView("w3", "b", 256, 256), WorkerView("w4", "", 256, 0)]  # fmt: skip
+    assert lookahead(runs, ws, 0.06)["w4"] == "b"
+    got = stagger(runs, ws, 0.06)
+    assert got["w4"] == "a"
+    assert [got[w] for w in ("w0", "w1", "w2", "w3")] == ["a", "a", "b", "b"]  # nobody's full worker moves
+
+
+def test_stagger_serves_rollouts_before_a_plan_about_to_come() -> None:
+    """Order: the rollout that began first, then the one waiting for its plan, then a training run
+    whose next step is predicted within the horizon; a run with nothing to do gets nothing."""
+    runs = [
+        RunView("t", "training", 0, 1024, 1.95, 2.0, 4.0),  # next plan in 0.05 s: counts a step
+        RunView("w", "waiting", 0, 1024, 0.01),
+        RunView("r", "rollout", 300, 1024, 2.0, 2.0, 4.0),
+        RunView("d", "done", 0, 1024, 0.0),
+    ]
+    ws = [WorkerView(f"w{i}", "", 256) for i in range(6)]
+    got = Counter(stagger(runs, ws, 0.06).values())
+    assert got == {"r": 2, "w": 4}  # r fills 2 (300 requests), w the 4 left; t and d none
+    ws = [WorkerView(f"w{i}", "", 256) for i in range(8)]
+    assert Counter(stagger(runs, ws, 0.06).values()) == {"r": 2, "w": 4, "t": 2}
