@@ -55,6 +55,11 @@ MODES: dict[str, list[str]] = {
     "stagger": [
         "rollout.pool.policy=stagger", "rollout.pool.handback=true", "rollout.migration.enabled=true",
     ],
+    # stagger whose moved worker finishes what it runs before it switches, as the simulated
+    # ceiling's engines do (they switch only when empty): no hand-back prefill, the tail drained
+    "stagger-drain": [
+        "rollout.pool.policy=stagger", "rollout.pool.handback=false", "rollout.migration.enabled=true",
+    ],
     "lookahead-no-migration": [
         "rollout.pool.policy=lookahead", "rollout.pool.handback=false", "rollout.migration.enabled=false",
     ],
@@ -310,7 +315,9 @@ def run_multiplex(
                 from rolloutpipe.tools.timeline import plot_multiplex
 
                 last = repeats - 1
-                dirs = {m: out / f"{key}-{m}-{last}" for m in ("static", SHARED) if m in modes}
+                dirs = {
+                    m: out / f"{key}-{m}-{last}" for m in ("static", CONTROL, SHARED, "stagger") if m in modes
+                }
                 png = plot_multiplex(dirs, names, out / f"timeline-multiplex-{key}.png", f"{n} runs, {rm}")
                 results["by_runs"][key]["timeline_png"] = str(png)
             except ImportError:
