@@ -39,6 +39,13 @@ from the step's first admission:
    ``r_(k) + sum of their tau + ceil((n-k+1)/gpm)*o``, for every k.
 
 The bound is the largest of these.  It holds for ``sync`` too (a barrier only adds waiting).
+
+**It holds as it is for a KV-limited engine** (``rollout.emulated.kv_cache_tokens`` > 0), with
+``a`` and ``c`` the engine's ``decode_base_s`` and ``decode_per_seq_s``: every cost the cache adds
+is non-negative and none removes one.  A decode step costs ``a + c*n + k*cached >= a + c*n``; a
+preempted sequence stays on its engine and pays its prefill again (more prefill than claims 1-2b
+count, never less); waiting for free blocks only delays.  It is looser there, since it charges
+none of that.
 Measured runs can exceed it only by scheduling; they undercut it only if the emulation or the
 clock is wrong, which ``rolloutpipe bench`` reports as a violation.
 

@@ -134,6 +134,8 @@ class Sample(Event):
     # How many workers generated it: 1, or 1 + the times it was migrated (its response and
     # logprobs are still one trajectory's: each continuation resumed after the previous segments).
     segments: int = Field(default=1, ge=1)
+    # when the engine preempted it for KV-cache memory (it re-queued it and recomputed its prefix)
+    kv_preempted_at: list[float] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _one_logprob_per_token(self) -> Sample:

@@ -156,6 +156,33 @@ class EmulatedEngineConfig(_Section):
     # KV-cache reset and the first steps without warm caches: 0.5 s.  Loading from disk instead
     # would take seconds.  A new version of the same run costs nothing here (as before).
     switch_s: float = Field(default=0.5, ge=0)
+    # The KV cache (0: unlimited, nothing is ever preempted for memory).  A sequence holds
+    # ceil((prompt + decoded tokens) / kv_block_tokens) blocks; a request is admitted only when its
+    # blocks fit, and when a decode step needs a block that is not free the engine preempts a
+    # running sequence by ``preemption`` and re-queues it: it keeps its tokens and pays the prefill
+    # of prompt + tokens again when it is readmitted (vLLM's recompute).  Derivation of the values
+    # the suites use: configs/bench/hardware.yaml.
+    kv_cache_tokens: int = Field(default=0, ge=0)
+    kv_block_tokens: int = Field(default=16, ge=1)  # vLLM's default block_size
+    # Whom to preempt when the cache is full, as the engine it stands for does.  "vllm" (V1
+    # scheduler): under scheduling_policy priority the running sequence of the largest (priority,
+    # arrival), under fcfs the latest scheduled; it goes back to the front of the queue (fcfs) or
+    # into the priority order.  "sglang" (retract_decode): the fewest decoded tokens first (ties:
+    # the longest prompt), back into the queue.
+    preemption: Literal["vllm", "sglang"] = "vllm"
+    # Added to a decode step per cached token of the running sequences (attention reads them all):
+    # a batch of long sequences slows down as they grow.  0 keeps the step independent of lengths.
+    decode_per_kv_token_s: float = Field(default=0.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _kv_holds_one_sequence(self) -> EmulatedEngineConfig:
+        longest = self.prompt_tokens + self.max_response_tokens
+        if self.kv_cache_tokens and self.kv_cache_tokens < longest:
+            raise ValueError(
+                f"rollout.emulated.kv_cache_tokens={self.kv_cache_tokens} cannot hold one sequence "
+                f"of prompt_tokens + max_response_tokens = {longest} tokens (vLLM refuses to start)"
+            )
+        return self
 
 
 class VllmEngineConfig(_Section):

@@ -17,6 +17,9 @@ class Generation:
     logprobs: np.ndarray  # behaviour logprobs of the sampled tokens, float32
     text: str
     finish_reason: str  # "stop" | "length" | "preempted" (see Engine.preempt)
+    # wall times (time.time()) at which the engine preempted it for KV-cache memory and re-queued
+    # it (recompute); an engine that does not report them leaves it empty
+    kv_preempted_at: tuple[float, ...] = ()
 
 
 class Engine(Protocol):

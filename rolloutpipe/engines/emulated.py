@@ -12,8 +12,17 @@ full: an arrival that interrupts it leaves the rest to be paid before decoding r
 
 Requests beyond ``max_num_seqs`` wait in the engine's queue.  ``scheduling_policy: priority``
 admits them by ``RolloutRequest.priority`` (lower first, then arrival), as vLLM's priority
-scheduler does; ``fcfs`` by arrival.  No KV-cache limit is modelled, so nothing is preempted
-for memory.
+scheduler does; ``fcfs`` by arrival.
+
+The KV cache (``kv_cache_tokens`` > 0; 0 models none): a sequence holds ceil((prompt + decoded) /
+``kv_block_tokens``) blocks.  A queued request is admitted only when the blocks for its context
+and its next token are free.  When the next decode step needs a block that is not free, the engine
+preempts running sequences (``preemption``: vLLM's or SGLang's choice of victim) until it fits;
+a victim keeps its tokens, goes back to the queue, and pays the prefill of prompt + tokens again
+when it is readmitted (recompute).  No request is admitted in a step that preempted (as vLLM's V1
+scheduler), which keeps a victim from being readmitted at once.  ``decode_per_kv_token_s`` charges
+each step for the cached tokens it reads, so a batch slows down as its sequences grow; within an
+interval the context grows by one token a step and the interval's time is the exact sum.
 
 Long-tail migration: :meth:`EmulatedEngine.preempt` stops a running sequence at the end of
 its last whole token and returns the response so far (``finish_reason="preempted"``).  A
@@ -61,6 +70,16 @@ class _Seq:
     started: float = field(default_factory=time.monotonic)
     arrival: int = 0
     preempt: bool = False
+    kv_preempted_at: list[float] = field(default_factory=list)  # time.time() of each KV preemption
+
+
+@dataclass(frozen=True)
+class KvPreemption:
+    """A running sequence preempted because the KV cache was full (for timelines and tests)."""
+
+    t: float  # time.time()
+    request_id: str
+    tokens: int  # decoded tokens it keeps (and pays the prefill of again)
 
 
 class EmulatedEngine:
@@ -77,6 +96,7 @@ class EmulatedEngine:
         self.run = ""  # whose weights it holds (a worker of a shared pool switches: ``switch_s``)
         self.switches = 0
         self.switch_wall_s = 0.0
+        self.kv_preemptions: list[KvPreemption] = []
 
     @property
     def capacity(self) -> int:
@@ -141,17 +161,108 @@ class EmulatedEngine:
         """``request_id`` waits for a slot (``Queueing``): ``preempt`` hands it back, nothing decoded."""
         return any(s.req.request_id == request_id and not s.fut.done() for s in self.waiting)
 
-    def _step_time(self, batch: int) -> float:
-        return self.cfg.decode_base_s + self.cfg.decode_per_seq_s * batch
+    # -- the KV cache --------------------------------------------------------------------------
+
+    def _context(self, s: _Seq) -> int:
+        """Tokens ``s`` holds in the cache: its prompt and its whole decoded tokens."""
+        return self.cfg.prompt_tokens + int(s.done_tokens + 1e-6)
+
+    def _blocks(self, s: _Seq, ahead: int = 1) -> int:
+        """Blocks ``s`` needs to decode ``ahead`` more tokens."""
+        return -(-(self._context(s) + ahead) // self.cfg.kv_block_tokens)
+
+    def _kv_blocks(self) -> int:
+        return self.cfg.kv_cache_tokens // self.cfg.kv_block_tokens
+
+    def kv_steps(self, seqs: list[_Seq]) -> int:
+        """Decode steps ``seqs`` can take before a step needs a block that is not free (at least 1
+        once :meth:`_make_room` has run); unbounded without a KV limit."""
+        if not self.cfg.kv_cache_tokens or not seqs:
+            return 1 << 62
+        B, cap = self.cfg.kv_block_tokens, self._kv_blocks()
+        ctx = np.fromiter((self._context(s) for s in seqs), np.int64, len(seqs))
+        n, room = len(seqs), cap * B - int(ctx.sum())
+        # blocks(k) = sum ceil((ctx + k) / B) lies in [(sum ctx + n k) / B, that + n): the largest
+        # k with blocks(k) <= cap lies in [room / n - B, room / n]; bisect that window
+        lo, hi = max(0, room // n - B), max(0, room // n)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if int((-(-(ctx + mid) // B)).sum()) <= cap:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _victim(self) -> _Seq:
+        if self.cfg.preemption == "sglang":  # retract_decode: fewest decoded, then longest prompt
+            return min(self.running, key=lambda s: (int(s.done_tokens + 1e-6), -self.cfg.prompt_tokens))
+        if self.cfg.scheduling_policy == "priority":  # vLLM V1: max (priority, arrival)
+            return max(self.running, key=lambda s: (s.req.priority, s.arrival))
+        return self.running[-1]  # vLLM V1 fcfs: the latest scheduled
+
+    def _make_room(self) -> bool:
+        """Preempt running sequences until the next decode step fits; True if any was."""
+        if not self.cfg.kv_cache_tokens:
+            return False
+        cap, preempted = self._kv_blocks(), False
+        while self.running and sum(self._blocks(s) for s in self.running) > cap:
+            s = self._victim()
+            self.running.remove(s)
+            whole = int(s.done_tokens + 1e-6)
+            s.done_tokens = float(whole)  # a partial token is lost with the cache
+            s.prefill_left = self.cfg.prefill_per_token_s * (self.cfg.prompt_tokens + whole)
+            s.kv_preempted_at.append(time.time())
+            self.kv_preemptions.append(KvPreemption(s.kv_preempted_at[-1], s.req.request_id, whole))
+            if s.preempt:  # migration asked for it meanwhile: hand it back instead
+                self._hand_back(s)
+            elif self.cfg.scheduling_policy == "priority":
+                self.waiting.append(s)  # admission sorts by (priority, arrival)
+            else:
+                self.waiting.insert(0, s)  # vLLM V1 fcfs: prepended
+            preempted = True
+        return preempted
+
+    def _admit(self) -> None:
+        if not self.waiting or len(self.running) >= self.cfg.max_num_seqs:
+            return
+        if self.cfg.scheduling_policy == "priority":
+            self.waiting.sort(key=lambda s: (s.req.priority, s.arrival))
+        limited = bool(self.cfg.kv_cache_tokens)
+        free = self._kv_blocks() - sum(self._blocks(s) for s in self.running) if limited else 0
+        while len(self.running) < self.cfg.max_num_seqs and self.waiting:
+            if limited:
+                need = self._blocks(self.waiting[0])
+                if need > free:  # the head waits (no skipping ahead: vLLM admits in order)
+                    return
+                free -= need
+            self.running.append(self.waiting.pop(0))
+
+    def _step_time(self, batch: int, cached: int = 0) -> float:
+        """One decode step of ``batch`` sequences that hold ``cached`` tokens in the cache."""
+        c = self.cfg
+        return c.decode_base_s + c.decode_per_seq_s * batch + c.decode_per_kv_token_s * cached
+
+    def _decode_time(self, steps: float) -> float:
+        """Emulated seconds for the running batch to decode ``steps`` tokens each: every step reads
+        one more cached token a sequence than the last."""
+        n, k = len(self.running), self.cfg.decode_per_kv_token_s
+        cached = sum(self._context(s) for s in self.running)
+        return steps * self._step_time(n, cached) + k * n * steps * (steps - 1) / 2
+
+    def _decoded_in(self, seconds: float) -> float:
+        """Inverse of :meth:`_decode_time`: the steps decoded in ``seconds``."""
+        n, k = len(self.running), self.cfg.decode_per_kv_token_s
+        first = self._step_time(n, sum(self._context(s) for s in self.running))
+        if k == 0 or seconds <= 0:
+            return max(0.0, seconds) / first
+        a, b = k * n / 2, first - k * n / 2  # a s^2 + b s = seconds
+        return (-b + math.sqrt(b * b + 4 * a * seconds)) / (2 * a)
 
     async def _loop(self) -> None:
         scale = self.cfg.time_scale
         while True:
-            if len(self.running) < self.cfg.max_num_seqs and self.waiting:
-                if self.cfg.scheduling_policy == "priority":
-                    self.waiting.sort(key=lambda s: (s.req.priority, s.arrival))
-                while len(self.running) < self.cfg.max_num_seqs and self.waiting:
-                    self.running.append(self.waiting.pop(0))
+            if not self._make_room():  # no admission in a step that preempted (vLLM V1)
+                self._admit()
             if not self.running:
                 self._wake.clear()
                 await self._wake.wait()
@@ -161,9 +272,10 @@ class EmulatedEngine:
                 self._prefill_due += s.prefill_left
                 s.prefill_left = 0.0
             prefill = self._prefill_due
-            dt_tok = self._step_time(len(self.running))
             tokens_to_next = min(s.length - s.done_tokens for s in self.running)
-            emu = prefill + dt_tok * max(tokens_to_next, 0.0)
+            kv_room = self.kv_steps(self.running)
+            steps = min(max(tokens_to_next, 0.0), float(kv_room))
+            emu = prefill + self._decode_time(steps)
             self._wake.clear()
             t0 = time.monotonic()
             # an arrival interrupts the interval so it can join the batch (continuous batching)
@@ -171,7 +283,8 @@ class EmulatedEngine:
             elapsed_emu = (time.monotonic() - t0) / scale
             self.busy_s += time.monotonic() - t0
             self._prefill_due = max(0.0, prefill - elapsed_emu)  # an interrupted prefill is still owed
-            advanced = max(0.0, elapsed_emu - prefill) / dt_tok
+            # the wall clock may overshoot the interval: the time counts, up to where the cache fills
+            advanced = min(self._decoded_in(elapsed_emu - prefill), float(kv_room))
             still: list[_Seq] = []
             for s in self.running:
                 s.done_tokens += advanced
@@ -185,15 +298,17 @@ class EmulatedEngine:
 
     def _finish(self, s: _Seq) -> None:
         if not s.fut.done():
-            s.fut.set_result(self._generation(s.req, s.length, s.correct))
+            s.fut.set_result(self._generation(s.req, s.length, s.correct, kv=s.kv_preempted_at))
 
     def _hand_back(self, s: _Seq) -> None:
         """A preempted sequence: its whole tokens so far (the prefix included), resumable."""
         done = max(int(s.done_tokens + 1e-6), len(s.req.prefix_ids))
         if not s.fut.done():
-            s.fut.set_result(self._generation(s.req, s.length, s.correct, upto=done))
+            s.fut.set_result(self._generation(s.req, s.length, s.correct, upto=done, kv=s.kv_preempted_at))
 
-    def _generation(self, req: RolloutRequest, length: int, correct: bool, upto: int = -1) -> Generation:
+    def _generation(
+        self, req: RolloutRequest, length: int, correct: bool, upto: int = -1, kv: list[float] | None = None
+    ) -> Generation:
         """The trajectory of ``req`` (a function of its id), or its first ``upto`` tokens, preempted."""
         r = _rng(self.seed, req.request_id, "tokens")
         ids = r.integers(3, 18, size=length, dtype=np.int32)
@@ -205,7 +320,8 @@ class EmulatedEngine:
         reason = "length" if length >= self.cfg.max_response_tokens else "stop"
         if 0 <= upto < length:
             ids, logprobs, text, reason = ids[:upto], logprobs[:upto], "", "preempted"
-        return Generation(np.zeros(self.cfg.prompt_tokens, np.int32), ids, logprobs, text, reason)
+        prompt = np.zeros(self.cfg.prompt_tokens, np.int32)
+        return Generation(prompt, ids, logprobs, text, reason, tuple(kv or ()))
 
     async def load_weights(self, pv: PolicyVersion) -> None:
         if pv.sha256:  # the emulated trainer publishes no files; real files are still verified

@@ -265,6 +265,7 @@ class RolloutWorker:
                 admitted_at=req.admitted_at or admitted,
                 finished_at=time.time(),
                 segments=req.segment + 1,
+                kv_preempted_at=list(gen.kv_preempted_at),
             )
             await self.b.publish_sample(sample, entry.id, origin=req.origin)
             self.samples += 1

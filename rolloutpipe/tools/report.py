@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rolloutpipe.errors import RolloutPipeError
+from rolloutpipe.tools.timeline import mark_preemptions, preemptions
 
 TIMELINE_STEPS = 4  # steps drawn on the timeline (the last ones)
 TABLE_FIELDS = (
@@ -165,6 +166,7 @@ def plot_timeline(timeline: list[dict[str, Any]], out: Path, steps: int = TIMELI
         ax.fill_between(xs, [i] * len(xs), [i + 0.8 * y / peak for y in ys], step="post", alpha=0.6,
                         color="tab:blue", linewidth=0)  # fmt: skip
         ax.text(t_end * 1.005, i + 0.3, f"peak {peak}", fontsize=7, va="center")
+        mark_preemptions(ax, preemptions(recs, w, t0), i + 0.9)
     gy, ty = n + 0.4, n + 1.2
     for r in recs:
         colour = cmap(r["step"] % 10)
@@ -180,7 +182,7 @@ def plot_timeline(timeline: list[dict[str, Any]], out: Path, steps: int = TIMELI
     ax.set_xlim(0, t_end * 1.06)
     ax.set_xlabel(
         "wall seconds (workers: sequences in flight; groups: completions, coloured by step; trainer: "
-        "busy in the step's colour, idle grey; dashed: a step's training ends)",
+        "busy in the step's colour, idle grey; dashed: a step's training ends; red x: a KV-cache preemption)",
         fontsize=8,
     )
     mode = recs[-1].get("mode", "")

@@ -40,6 +40,21 @@ def in_flight(steps: list[dict[str, Any]], worker: str, t0: float) -> tuple[list
     return xs, ys
 
 
+def preemptions(steps: list[dict[str, Any]], worker: str, t0: float) -> list[float]:
+    """When ``worker``'s engine preempted a sequence for KV-cache memory (each sample row's sixth
+    field, absent from rows written before it existed), in seconds since ``t0``."""
+    return sorted(
+        x - t0 for rec in steps for g in rec["groups"] for s in g["samples"] if s[0] == worker
+        for x in (s[5] if len(s) > 5 else ())
+    )  # fmt: skip
+
+
+def mark_preemptions(ax: Any, xs: list[float], y: float) -> None:
+    if xs:
+        ax.plot(xs, [y] * len(xs), linestyle="none", marker="x", markersize=3, color="tab:red",
+                label="KV-cache preemption")  # fmt: skip
+
+
 def plot_setting(setting_dir: Path, title: str, modes: tuple[str, ...] = MODES) -> Path:
     import matplotlib
 
@@ -65,6 +80,7 @@ def plot_setting(setting_dir: Path, title: str, modes: tuple[str, ...] = MODES) 
             y0 = rows[w]
             ax.fill_between(xs, [y0] * len(xs), [y0 + 0.8 * y / peak for y in ys], step="post", alpha=0.6,
                             color="tab:blue", linewidth=0)  # fmt: skip
+            mark_preemptions(ax, preemptions([rec], w, t0), y0 + 0.9)
         # one line per group, from its first admission to its completion, in admission order and
         # coloured by the mini-batch it fed: shows the admission order, the window's staircase and
         # which groups the engines served first
@@ -89,7 +105,8 @@ def plot_setting(setting_dir: Path, title: str, modes: tuple[str, ...] = MODES) 
         )
     axes[-1, 0].set_xlabel(
         "wall seconds since the step's first admission\nworkers: sequences in flight; groups: one line each, "
-        "admission to completion, in admission order, coloured by mini-batch; trainer: busy green, idle grey",
+        "admission to completion, in admission order, coloured by mini-batch; trainer: busy green, "
+        "idle grey; red x: a sequence preempted for KV-cache memory",
         fontsize=8,
     )
     fig.suptitle(title, fontsize=11)
@@ -137,6 +154,7 @@ def plot_multiplex(dirs: dict[str, Path], runs: list[str], path: Path, title: st
                 ax.fill_between(
                     xs, [wi] * len(xs), top, step="post", alpha=0.55, color=cmap(ri % 10), linewidth=0
                 )
+                mark_preemptions(ax, preemptions(recs[run], w, t0), wi + 0.9)
         base = len(workers) + 0.3
         for ri, run in enumerate(names):
             for r in recs[run]:
@@ -151,7 +169,9 @@ def plot_multiplex(dirs: dict[str, Path], runs: list[str], path: Path, title: st
         matplotlib.patches.Patch(color=cmap(i % 10), label=f"run {i + 1} ({r})") for i, r in enumerate(runs)
     ]
     fig.legend(handles=handles, loc="upper right", fontsize=8)
-    axes[-1, 0].set_xlabel("wall seconds since the panel's first step started")
+    axes[-1, 0].set_xlabel(
+        "wall seconds since the panel's first step started; red x: a sequence preempted for KV-cache memory"
+    )
     fig.suptitle(f"Shared rollout pool vs static split: {title}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -3,7 +3,8 @@
 Each set is pinned by the tests that use it: ``make_*`` (every field set, odd values: the codec's
 round trips), ``step_sample`` (fixed arrays: the aggregator and dead-letter tests), the lost-replies
 set (``sample``/``group``… of a run, at a step, with a group id: the per-write cases of
-``writes.py``), and ``tiny_sample``/``tiny_group`` (the wire doc's bytes).
+``writes.py``), ``tiny_sample``/``tiny_group`` (the wire doc's bytes), and ``engine_request`` (one
+request a bare engine decodes: the KV-cache tests).
 """
 
 from __future__ import annotations
@@ -220,3 +221,13 @@ def tiny_group() -> Group:
         frontier=FrontierStatus(minibatch=0, position=0, minibatch_size=1, needed=0, total_groups=1),
         allocation=AllocationRecord(initial=1, counts=[1]),
     )  # fmt: skip
+
+
+# ------------------------------------------------------------------- a request for a bare engine
+
+
+def engine_request(i: int, priority: int = 0) -> RolloutRequest:
+    """Request ``i`` of group ``0:i`` at step 0 (its trajectory is a function of its id)."""
+    return RolloutRequest(run="t", step=0, policy_version=0, request_id=f"0:{i}:0", group_id=f"0:{i}",
+                          prompt_index=i, sample_index=0, prompt="1+1=", answer="2", seed=i,
+                          max_new_tokens=64, priority=priority, released_at=time.time())  # fmt: skip

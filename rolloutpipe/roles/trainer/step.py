@@ -303,7 +303,14 @@ class StepClock:
                 "completed_at": g.completed_at,
                 "read_at": read_at,
                 "samples": [
-                    [s.worker, s.admitted_at, s.finished_at, len(s.prompt_ids), len(s.response_ids)]
+                    [
+                        s.worker,
+                        s.admitted_at,
+                        s.finished_at,
+                        len(s.prompt_ids),
+                        len(s.response_ids),
+                        s.kv_preempted_at,
+                    ]
                     for s in g.samples
                 ],
             }
