@@ -108,8 +108,20 @@ def derive(setting: dict[str, Any]) -> None:
     steps = setting["steps"]
     sync = setting["per_step"]["sync"]
     bound = setting["bound_per_step"]
+    # the modelled wait ratio: the step's r2t less the trainer's modelled work (the bound's
+    # train_busy: the cost model's time for the step's groups, the same in every mode, since a
+    # request's length is a function of its id), over its r2t.  The wall-clock ratio uses the
+    # trainer's measured busy time, which the pipelined modes inflate (a group trained while the
+    # broker and the other roles share the CPU takes longer than its model)
+    modelled = {name: {k: wait_ratio_bound(bound[k]["terms"]["train_busy"], ms[k]["r2t"]) for k in steps}
+                for name, ms in setting["per_step"].items()}  # fmt: skip
     for name, ms in setting["per_step"].items():
         m = setting["modes"][name]
+        wm = modelled[name]
+        m["trainer_wait_ratio_modelled"] = statistics.median(wm.values())
+        m["wait_ratio_modelled_reduction_vs_sync"] = interval(
+            [1 - wm[k] / modelled["sync"][k] for k in steps if modelled["sync"][k] > 0] or [0.0]
+        )
         red = [1 - ms[k]["r2t"] / sync[k]["r2t"] for k in steps]
         wred = [1 - ms[k]["wait"] / sync[k]["wait"] for k in steps if sync[k]["wait"] > 0]
         share = [(sync[k]["r2t"] - ms[k]["r2t"]) / (sync[k]["r2t"] - bound[k]["r2t"]) for k in steps
@@ -126,6 +138,9 @@ def derive(setting: dict[str, Any]) -> None:
     setting["achievable_wait_cut"] = interval(
         [1 - bound[k]["wait"] / sync[k]["wait"] for k in steps if sync[k]["wait"] > 0] or [0.0]
     )
+    setting["achievable_wait_cut_modelled"] = interval(
+        [1 - bound[k]["wait"] / modelled["sync"][k] for k in steps if modelled["sync"][k] > 0] or [0.0]
+    )
 
 
 def pct(iv: Any) -> str:
@@ -138,14 +153,15 @@ def pct(iv: Any) -> str:
 
 def mode_table(setting: dict[str, Any]) -> str:
     lines = [
-        "| mode | r2t (s) | vs sync [95% CI] | wait ratio | vs sync [95% CI] | share of achievable cut | "
-        "first group (s) | dispatch p50 / p99 (s) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mode | r2t (s) | vs sync [95% CI] | wait ratio | vs sync [95% CI] | wait ratio (modelled) | "
+        "vs sync [95% CI] | share of achievable cut | first group (s) | dispatch p50 / p99 (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, m in setting["modes"].items():
         lines.append(
             f"| {mode} | {m['rollout_to_train_end_s']:.2f} | {pct(m['reduction_vs_sync'])} | "
             f"{m['trainer_wait_ratio']:.3f} | {pct(m['wait_ratio_reduction_vs_sync'])} | "
+            f"{m['trainer_wait_ratio_modelled']:.3f} | {pct(m['wait_ratio_modelled_reduction_vs_sync'])} | "
             f"{m['share_of_cut'][0]:.0%} | {m['first_group_s']:.2f} | "
             f"{m['dispatch_latency_p50_s']:.3f} / {m['dispatch_latency_p99_s']:.3f} |"
         )
@@ -175,7 +191,8 @@ def suite_table(settings: list[dict[str, Any]]) -> str:
     others = [m for m in modes if m != "sync"]
     head = ["setting", "sync r2t (s)", *(f"{m} vs sync" for m in others), "achievable (bound)",
             "fgd share of cut", "fgd - cgp (points)", "sync wait", "fgd wait", "wait bound",
-            "fgd wait vs sync", "achievable wait cut"]  # fmt: skip
+            "fgd wait vs sync", "achievable wait cut", "sync / fgd wait (modelled)",
+            "fgd wait vs sync (modelled)", "achievable wait cut (modelled)"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in settings:
         m = s["modes"]
@@ -187,7 +204,10 @@ def suite_table(settings: list[dict[str, Any]]) -> str:
                f"{d[0] * 100:+.1f} [{d[1] * 100:+.1f}, {d[2] * 100:+.1f}]",
                f"{m['sync']['trainer_wait_ratio']:.2f}", f"{fg['trainer_wait_ratio']:.2f}",
                f"{s['wait_bound']:.2f}", pct(fg["wait_ratio_reduction_vs_sync"]),
-               pct(s["achievable_wait_cut"])]  # fmt: skip
+               pct(s["achievable_wait_cut"]),
+               f"{m['sync']['trainer_wait_ratio_modelled']:.2f} / {fg['trainer_wait_ratio_modelled']:.2f}",
+               pct(fg["wait_ratio_modelled_reduction_vs_sync"]),
+               pct(s["achievable_wait_cut_modelled"])]  # fmt: skip
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", *(footer(s) for s in settings), "", targets(settings)]
     return "\n".join(lines)
@@ -201,12 +221,17 @@ def targets(settings: list[dict[str, Any]]) -> str:
     r2t_met = [s["name"] for s in r2t if s["modes"]["cgp-fgd"]["reduction_vs_sync"][0] >= 0.307]
     wait = [s for s in settings if s["achievable_wait_cut"][0] >= 0.37]
     wait_met = [s["name"] for s in wait if s["modes"]["cgp-fgd"]["wait_ratio_reduction_vs_sync"][0] >= 0.37]
+    wait_m = [s for s in settings if s["achievable_wait_cut_modelled"][0] >= 0.37]
+    wait_m_met = [s["name"] for s in wait_m
+                  if s["modes"]["cgp-fgd"]["wait_ratio_modelled_reduction_vs_sync"][0] >= 0.37]  # fmt: skip
     shares = [s["modes"]["cgp-fgd"]["share_of_cut"][0] for s in settings]
     ahead = [s["name"] for s in settings if s.get("fgd_minus_cgp", (0, 0, 0))[1] > 0]
     behind = [s["name"] for s in settings if s.get("fgd_minus_cgp", (0, 0, 0))[2] < 0]
     return "\n".join([
         f"targets (cgp-fgd vs sync): r2t >= 30.7% shorter in {len(r2t_met)} of the {len(r2t)} settings whose "
-        f"bound allows it; wait ratio >= 37% lower in {len(wait_met)} of {len(wait)}; median share of the "
+        f"bound allows it; wait ratio >= 37% lower in {len(wait_met)} of {len(wait)} wall-clock, "
+        f"{len(wait_m_met)} of {len(wait_m)} modelled (the honest one: the trainer's modelled work, not its "
+        f"wall-clock busy time); median share of the "
         f"achievable cut {statistics.median(shares):.0%} (target 75%); ahead of cgp beyond the interval in "
         f"{len(ahead)} of {len(settings)} ({', '.join(ahead) or 'none'}); behind beyond it in {len(behind)} "
         f"({', '.join(behind) or 'none'})",
@@ -327,6 +352,31 @@ def run_bench(
     return text, where(out, wall_s)
 
 
+def rederive(path: Path, write: bool = False) -> str:
+    """The tables of a saved ``results.json``, derived again by this version of :func:`derive`: its
+    per-step figures and bounds are kept, nothing is run again.  ``write``: store the derived fields
+    back into the file."""
+    doc = json.loads(path.read_text())
+    for s in doc["settings"]:
+        s["per_step"] = {m: {int(k): v for k, v in ps.items()} for m, ps in s["per_step"].items()}
+        s["bound_per_step"] = {int(k): v for k, v in s["bound_per_step"].items()}
+        derive(s)
+    if write:
+        path.write_text(json.dumps(doc, indent=2))  # as write_results writes it
+    settings = doc["settings"]
+    return mode_table(settings[0]) if len(settings) == 1 else suite_table(settings)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=rederive.__doc__)
+    ap.add_argument("results", type=Path, help="a paper suite's results.json")
+    ap.add_argument("--write", action="store_true", help="store the derived fields back into it")
+    a = ap.parse_args(argv)
+    print(rederive(a.results, a.write))
+
+
 register(
     Suite(
         name="paper",
@@ -339,3 +389,6 @@ register(
         order=100,
     )
 )  # fmt: skip
+
+if __name__ == "__main__":
+    main()

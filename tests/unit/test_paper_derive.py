@@ -1,0 +1,66 @@
+"""The paper suite's derived figures (issue 26, part 4): the modelled wait ratio beside the
+wall-clock one, by hand and on the committed results.  No Redis, no processes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from rolloutpipe.bench.paper import derive, mode_table, rederive
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def setting() -> dict:
+    # two steps; the trainer's modelled work is 4 s in both; sync takes 10 s, cgp-fgd 8 s, and
+    # cgp-fgd's measured busy time is inflated (wall-clock wait 0.3 where the model says 0.5)
+    per_step = {
+        "sync": {1: {"r2t": 10.0, "wait": 0.6}, 2: {"r2t": 10.0, "wait": 0.6}},
+        "cgp-fgd": {1: {"r2t": 8.0, "wait": 0.3}, 2: {"r2t": 8.0, "wait": 0.3}},
+        "fast": {1: {"r2t": 3.0, "wait": 0.0}, 2: {"r2t": 3.0, "wait": 0.0}},  # under the model's work
+    }
+    bound = {k: {"r2t": 6.0, "wait": 1 - 4 / 6, "terms": {"train_busy": 4.0}} for k in (1, 2)}
+    return {"steps": [1, 2], "per_step": per_step, "bound_per_step": bound,
+            "modes": {m: {} for m in per_step}}  # fmt: skip
+
+
+def test_the_modelled_wait_ratio_is_r2t_less_the_modelled_work_by_hand() -> None:
+    s = setting()
+    derive(s)
+    m = s["modes"]
+    assert m["sync"]["trainer_wait_ratio_modelled"] == pytest.approx(0.6)  # 1 - 4/10
+    assert m["cgp-fgd"]["trainer_wait_ratio_modelled"] == pytest.approx(0.5)  # 1 - 4/8, not the measured 0.3
+    assert m["fast"]["trainer_wait_ratio_modelled"] == 0.0  # clamped: a step shorter than its work
+    assert m["cgp-fgd"]["wait_ratio_modelled_reduction_vs_sync"][0] == pytest.approx(1 - 0.5 / 0.6)
+    # the wall-clock one: 1 - 0.3/0.6
+    assert m["cgp-fgd"]["wait_ratio_reduction_vs_sync"][0] == pytest.approx(0.5)
+    # the bound's wait against sync's modelled wait
+    assert s["achievable_wait_cut_modelled"][0] == pytest.approx(1 - (1 - 4 / 6) / 0.6)
+
+
+def test_rederiving_the_committed_results_reproduces_every_stored_figure(tmp_path: Path) -> None:
+    """docs/results/paper.json was derived when it was measured; deriving it again with this code
+    must give the same wall-clock figures (derive is unchanged for them) and adds the modelled ones."""
+    path = tmp_path / "paper.json"
+    shutil.copy(ROOT / "docs/results/paper.json", path)
+    before = json.loads(path.read_text())
+    text = rederive(path, write=True)
+    after = json.loads(path.read_text())
+    assert "modelled" in text
+    one = after["settings"][0]
+    assert one["name"] in text and "wait ratio (modelled)" in mode_table(one)  # the quick bench's table
+    for b, a in zip(before["settings"], after["settings"], strict=True):
+        for key in ("achievable_cut", "achievable_wait_cut", "wait_bound"):
+            assert a[key] == pytest.approx(b[key]), (b["name"], key)
+        for mode, bm in b["modes"].items():
+            am = a["modes"][mode]
+            for key in ("reduction_vs_sync", "wait_ratio_reduction_vs_sync", "share_of_cut"):
+                assert am[key] == pytest.approx(bm[key]), (b["name"], mode, key)
+            assert 0.0 <= am["trainer_wait_ratio_modelled"] < 1.0
+        # sync's modelled busy time is its model, which the measured busy time exceeds a little:
+        # its modelled wait is at least its wall-clock wait, less a per-cent of noise
+        sync = a["modes"]["sync"]
+        assert sync["trainer_wait_ratio_modelled"] >= sync["trainer_wait_ratio"] - 0.01, b["name"]
