@@ -102,6 +102,22 @@ def step_bounds(cfg: Config, timeline: Path) -> dict[int, Bound]:
     return out
 
 
+def worker_split(timeline: Path, workers: int) -> dict[int, float]:
+    """Per recorded step, the largest share of its response tokens that one rollout worker ran, as a
+    multiple of an even split (1.0: each of the ``workers`` ran 1/workers; ``workers``: one ran all).
+    A sample counts where it finished (a migrated one's earlier segments count there too)."""
+    out = {}
+    for line in timeline.read_text().splitlines():
+        rec = json.loads(line)
+        by: dict[str, int] = {}
+        for g in rec["groups"]:
+            for smp in g["samples"]:
+                by[smp[0]] = by.get(smp[0], 0) + int(smp[4])
+        if by and sum(by.values()) > 0:
+            out[rec["step"]] = max(by.values()) / sum(by.values()) * max(workers, len(by))
+    return out
+
+
 def derive(setting: dict[str, Any]) -> None:
     """Per mode, paired with sync step by step: reductions, share of the achievable cut, with
     intervals; and the bound's violations, which would mean the emulation or the bound is wrong."""
@@ -171,6 +187,9 @@ def mode_table(setting: dict[str, Any]) -> str:
 
 def footer(s: dict[str, Any]) -> str:
     viol = {k: v["bound_violations"] for k, v in s["modes"].items() if v["bound_violations"]}
+    split = ", ".join(
+        f"{k} {v['worker_imbalance']:.2f}" for k, v in s["modes"].items() if "worker_imbalance" in v
+    )
     return (
         f"{s['name']}: true bound {s['bound_s']:.2f} wall s = {s['bound_s'] / s['time_scale']:.0f} emulated "
         "s "
@@ -180,6 +199,7 @@ def footer(s: dict[str, Any]) -> str:
         f"{s['window_steps']} of "
         f"{len(s['steps'])} cgp-fgd steps; broker+Python overhead "
         f"{max(m['overhead_frac'] for m in s['modes'].values()):.2%} of a step"
+        + (f"; the busiest worker's tokens x an even split: {split}" if split else "")
         + (f"; BOUND VIOLATED (steps per mode): {viol}" if viol else "")
     )
 
@@ -265,6 +285,10 @@ def run_setting(
         ms = run_cluster(cfg, url, Path(cfg.out), progress=False, timeout_s=1800)
         results[mode] = median_metrics(ms)
         steps = [m.step for m in ms[1:]] if len(ms) > 1 else [m.step for m in ms]
+        split = worker_split(Path(cfg.out) / "timeline.jsonl", cfg.rollout.workers)
+        measured = [split[k] for k in steps if k in split]
+        if measured:  # even work (issue 26): a worker may take more than its share of a step
+            results[mode]["worker_imbalance"] = statistics.median(measured)
         if mode == "sync":
             bounds = step_bounds(cfg, Path(cfg.out) / "timeline.jsonl")
         if mode == "cgp-fgd":

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rolloutpipe.bench.paper import derive, mode_table, rederive
+from rolloutpipe.bench.paper import derive, mode_table, rederive, worker_split
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,3 +64,19 @@ def test_rederiving_the_committed_results_reproduces_every_stored_figure(tmp_pat
         # its modelled wait is at least its wall-clock wait, less a per-cent of noise
         sync = a["modes"]["sync"]
         assert sync["trainer_wait_ratio_modelled"] >= sync["trainer_wait_ratio"] - 0.01, b["name"]
+
+
+def test_worker_split_is_the_busiest_workers_tokens_over_an_even_split(tmp_path: Path) -> None:
+    def row(worker: str, tokens: int) -> list:
+        return [worker, 0.0, 1.0, 8, tokens, []]  # worker, admitted, finished, prompt, response, kv
+
+    steps = [
+        {"step": 1, "groups": [{"samples": [row("w0", 30), row("w1", 10)]}, {"samples": [row("w0", 60)]}]},
+        {"step": 2, "groups": [{"samples": [row("w1", 50), row("w0", 50)]}]},
+        {"step": 3, "groups": [{"samples": [row("w0", 5), row("w0", 5)]}]},  # w1 ran nothing
+        {"step": 4, "groups": []},
+    ]
+    path = tmp_path / "timeline.jsonl"
+    path.write_text("\n".join(json.dumps(s) for s in steps))
+    split = worker_split(path, workers=2)
+    assert split == {1: pytest.approx(90 / 100 * 2), 2: pytest.approx(1.0), 3: pytest.approx(2.0)}
