@@ -143,19 +143,99 @@ def phase_vllm(a: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-# -------------------------------------------------------------------------------------- trainer phase
-def phase_trainer(a: argparse.Namespace) -> dict[str, Any]:
+# ------------------------------------------------------------------------------ HF decode phase
+def _from_config(cfg: Any, dtype: Any, attn: str = "sdpa") -> Any:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn)  # type: ignore[no-untyped-call]
+    except TypeError:  # transformers < 4.56 spells it torch_dtype
+        return AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype, attn_implementation=attn)  # type: ignore[no-untyped-call]
+
+
+def phase_hf(a: argparse.Namespace) -> dict[str, Any]:
+    """Decode step time against batch size and context, with transformers (where vLLM is absent).
+
+    B sequences of ``context`` random tokens are prefilled into a static KV cache of context +
+    steps, then ``decode_tokens`` single-token steps are timed (CUDA-synchronised).  A static cache
+    is read, not copied, each step (a dynamic one is concatenated, which would charge a copy of the
+    cache to every step).  Fitted: step = base + per_seq x B + per_kv_token x (B x context).  Eager
+    transformers launches every kernel from Python and has no CUDA graphs, so ``base`` here is far
+    above vLLM's; the cached-token slope (the K and V read by attention) is the figure that carries
+    over, and the one the KV model's ``decode_per_kv_token_s`` is derived for."""
+    import numpy as np
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, StaticCache
 
     dev = torch.device(a.device)
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[a.dtype]
     cfg = AutoConfig.from_pretrained(a.model_dir)
     with dev:
-        model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
-            cfg, dtype=dtype, attn_implementation="sdpa"
-        )
-    model.gradient_checkpointing_enable()  # what a 1.7B run with long sequences uses
+        model = _from_config(cfg, dtype)
+    model.eval()
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    rows = []
+    for ctx in a.contexts:
+        for bsz in a.batch_sizes:
+            if bsz * ctx > a.max_cached_tokens:
+                continue
+            cache = StaticCache(config=cfg, max_cache_len=ctx + a.decode_tokens + 4)
+            ids = torch.randint(3, a.vocab, (bsz, ctx), device=dev)
+            with torch.no_grad():
+                sync()
+                t = time.perf_counter()
+                out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                sync()
+                prefill = time.perf_counter() - t
+                tok = out.logits[:, -1:].argmax(-1)
+                times = []
+                for i in range(a.decode_tokens + 2):  # the first 2: warm-up
+                    pos = torch.tensor([ctx + i], device=dev)
+                    sync()
+                    t = time.perf_counter()
+                    out = model(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=pos,
+                                logits_to_keep=1)  # fmt: skip
+                    tok = out.logits[:, -1:].argmax(-1)
+                    sync()
+                    times.append(time.perf_counter() - t)
+            step = float(np.median(times[2:]))
+            rows.append({"batch": bsz, "context": ctx, "decode_step_s": step, "prefill_s": prefill})
+            msg = (
+                f"  context {ctx:5d} batch {bsz:4d}: decode step {step * 1e3:8.3f} ms, prefill {prefill:.3f}s"
+            )
+            print(msg, file=sys.stderr, flush=True)
+            del cache, out
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    X = np.array([[1.0, r["batch"], r["batch"] * r["context"]] for r in rows])
+    y = np.array([r["decode_step_s"] for r in rows])
+    coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+    resid = y - X @ coef
+    return {
+        "transformers_version": __import__("transformers").__version__,
+        "decode": rows,
+        "decode_base_s": float(coef[0]),
+        "decode_per_seq_s": float(coef[1]),
+        "decode_per_kv_token_s": float(coef[2]),
+        "fit_max_rel_error": float(np.max(np.abs(resid) / y)),
+    }
+
+
+# -------------------------------------------------------------------------------------- trainer phase
+def phase_trainer(a: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from transformers import AutoConfig
+
+    dev = torch.device(a.device)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[a.dtype]
+    cfg = AutoConfig.from_pretrained(a.model_dir)
+    with dev:
+        model = _from_config(cfg, dtype)
+    model.gradient_checkpointing_enable()  # what a 1.7B run with long sequences uses (slime: full)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     seqs, length = a.train_seqs, a.train_seq_len
@@ -190,9 +270,27 @@ def phase_trainer(a: argparse.Namespace) -> dict[str, Any]:
     opt.zero_grad(set_to_none=True)
     tokens_per_s = seqs * length / per_call
     overhead = max(0.0, small - 16 / tokens_per_s)
+    # the same forward+backward without activation recompute (the lean trainer), and a forward
+    # alone under no_grad (a reference or old-logprob pass): slime's step costs recompute's
+    # fwd+bwd plus two forwards, against one fwd+bwd without recompute
+    model.gradient_checkpointing_disable()
+    fwd_bwd(ids)  # warm-up without checkpointing
+    opt.zero_grad(set_to_none=True)
+    plain = timed(lambda: fwd_bwd(ids), a.train_iters)
+    opt.zero_grad(set_to_none=True)
+    model.eval()
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(input_ids=ids, logits_to_keep=0)
+
+    forward()
+    fwd = timed(forward, a.train_iters)
     return {"tokens_per_s": tokens_per_s, "train_tokens": seqs * length * a.train_iters,
             "train_s": per_call * a.train_iters, "seq_len": length, "optimizer_step_s": step_s,
-            "call_overhead_s": overhead}  # fmt: skip
+            "call_overhead_s": overhead, "tokens_per_s_no_recompute": seqs * length / plain,
+            "forward_tokens_per_s": seqs * length / fwd,
+            "slime_passes": (per_call + 2 * fwd) / plain}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------- output
@@ -260,7 +358,12 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--train-seq-len", type=int, default=0)
     p.add_argument("--train-iters", type=int, default=0)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.6)
-    p.add_argument("--phase", choices=["vllm", "trainer"], help=argparse.SUPPRESS)
+    p.add_argument("--engine", choices=["vllm", "hf"], default="vllm",
+                   help="decode with vLLM (the engine the emulation stands for) or transformers (where vLLM "
+                   "is absent: a static KV cache, step time against batch and context)")  # fmt: skip
+    p.add_argument("--contexts", default="", help="hf: context lengths of the decode grid")
+    p.add_argument("--max-cached-tokens", type=int, default=0, help="hf: skip grid points over this")
+    p.add_argument("--phase", choices=["vllm", "hf", "trainer"], help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -277,20 +380,22 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     a.train_seqs = a.train_seqs or (2 if tiny else 4)
     a.train_seq_len = a.train_seq_len or (64 if tiny else 4096)
     a.train_iters = a.train_iters or (2 if tiny else 5)
+    a.contexts = [int(x) for x in (a.contexts or ("16,64" if tiny else "256,1024,4096")).split(",")]
+    a.max_cached_tokens = a.max_cached_tokens or (1024 if tiny else 262144)
     return a
 
 
 def main(argv: list[str] | None = None) -> int:
     a = _args(argv)
     if a.phase:  # child process: one phase, result as JSON
-        one = phase_vllm(a) if a.phase == "vllm" else phase_trainer(a)
+        one = {"vllm": phase_vllm, "hf": phase_hf, "trainer": phase_trainer}[a.phase](a)
         Path(a.result).write_text(json.dumps(one))
         return 0
     t0 = time.perf_counter()
     res: dict[str, Any] = {"date": _dt.date.today().isoformat(), "model": "tiny" if a.tiny else "Qwen3-1.7B"}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_dir(a.arch, Path(tmp) / "model")
-        for phase in ("vllm", "trainer"):
+        for phase in (a.engine, "trainer"):
             print(f"[{time.perf_counter() - t0:6.1f}s] measuring {phase} ...", file=sys.stderr, flush=True)
             result = Path(tmp) / f"{phase}.json"
             argv_child = list(argv if argv is not None else sys.argv[1:])
@@ -305,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run([*cmd, "--result", str(result)], check=True, env=env)
             res[phase] = json.loads(result.read_text())
     res["hardware"] = hardware_name(a.device)
+    if a.engine == "hf":
+        return _report_hf(res, Path(a.out), t0)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render_yaml(res, a))
@@ -317,6 +424,37 @@ def main(argv: list[str] | None = None) -> int:
         f"optimizer step {t['optimizer_step_s'] * 1e3:.2f} ms"
     )
     print(f"wrote {out} and {out.with_suffix('.json')} in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+def _report_hf(res: dict[str, Any], out: Path, t0: float) -> int:
+    """transformers' figures: a JSON of every measurement and a summary (no hardware.yaml: eager
+    transformers is not the engine the emulation stands for, see :func:`phase_hf`)."""
+    h, t = res["hf"], res["trainer"]
+    lines = [
+        f"MEASURED {res['date']} on {res['hardware']} by rolloutpipe/bench/gpu_calibrate.py --engine hf "
+        f"({res['model']} architecture, random weights, transformers {h['transformers_version']})",
+        f"decode (static KV cache, eager): step = {h['decode_base_s'] * 1e3:.3f} ms + "
+        f"{h['decode_per_seq_s'] * 1e6:.2f} us x running + {h['decode_per_kv_token_s'] * 1e9:.2f} ns x "
+        f"cached tokens (fit's largest relative error {h['fit_max_rel_error']:.1%})",
+        *[
+            f"  context {r['context']:5d} batch {r['batch']:4d}: {r['decode_step_s'] * 1e3:.3f} ms a step"
+            for r in h["decode"]
+        ],
+        f"trainer ({t['seq_len']}-token sequences): fwd+bwd {t['tokens_per_s']:.0f} tokens/s with activation "
+        f"recompute, {t['tokens_per_s_no_recompute']:.0f} without; forward alone "
+        f"{t['forward_tokens_per_s']:.0f}; slime's step (recompute fwd+bwd + reference + old-logprob "
+        f"forwards) = {t['slime_passes']:.2f} x a "
+        f"fwd+bwd without recompute; call overhead {t['call_overhead_s'] * 1e3:.2f} ms, AdamW step "
+        f"{t['optimizer_step_s'] * 1e3:.2f} ms",
+    ]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(res, indent=2))
+    out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(
+        f"wrote {out.with_suffix('.json')} and {out.with_suffix('.txt')} in {time.perf_counter() - t0:.0f} s"
+    )
     return 0
 
 
