@@ -246,13 +246,13 @@ class EmulatedEngine:
         """Emulated seconds for the running batch to decode ``steps`` tokens each: every step reads
         one more cached token a sequence than the last."""
         n, k = len(self.running), self.cfg.decode_per_kv_token_s
-        cached = sum(self._context(s) for s in self.running)
+        cached = sum(self._context(s) for s in self.running) if k else 0  # unread without a KV cost
         return steps * self._step_time(n, cached) + k * n * steps * (steps - 1) / 2
 
     def _decoded_in(self, seconds: float) -> float:
         """Inverse of :meth:`_decode_time`: the steps decoded in ``seconds``."""
         n, k = len(self.running), self.cfg.decode_per_kv_token_s
-        first = self._step_time(n, sum(self._context(s) for s in self.running))
+        first = self._step_time(n, sum(self._context(s) for s in self.running) if k else 0)
         if k == 0 or seconds <= 0:
             return max(0.0, seconds) / first
         a, b = k * n / 2, first - k * n / 2  # a s^2 + b s = seconds
