@@ -257,6 +257,32 @@ def _check_failed_requests(r: Any, keys: Keys, cfg: Config) -> None:
     )
 
 
+def _await_trainer_exit(cluster: Cluster, max_restarts: int, timeout_s: float = 60.0) -> None:
+    """Wait for the trainer to exit 0 after the last version, restarting it if it dies first.
+
+    The exit code is read once per pass: a trainer that exits between two reads of ``poll()``
+    (``None`` then ``0``) finished normally and must not be taken for a crash.
+    """
+    trainer = next((p for p in cluster.procs if p.name == "trainer"), None)
+    wait_until, respawned = time.monotonic() + timeout_s, 0
+    while trainer is not None:
+        code = trainer.proc.poll()
+        if code == 0:
+            return
+        if code is not None:
+            if respawned >= max_restarts:
+                raise RoleError(
+                    f"the trainer exited with code {code} after the last version; "
+                    f"last lines of {trainer.log_path}:\n" + tail(trainer.log_path)
+                )
+            respawned += 1
+            cluster.respawn(trainer)
+        if time.monotonic() > wait_until:
+            log.warning("trainer still running %.0f s after the last version; stopping it", timeout_s)
+            return
+        time.sleep(0.1)
+
+
 def run_cluster(
     cfg: Config,
     url: str,
@@ -359,21 +385,7 @@ def run_cluster(
                         bar.update(1)
         # The last version is out; the trainer still acknowledges the step's groups, then exits
         # once the controller marks the run done.  A trainer that dies here is restarted to finish.
-        trainer = next((p for p in cluster.procs if p.name == "trainer"), None)
-        wait_until, respawned = time.monotonic() + 60, 0
-        while trainer is not None and trainer.proc.poll() != 0:
-            if trainer.proc.poll() is not None:
-                if respawned >= max_restarts:
-                    raise RoleError(
-                        f"the trainer exited with code {trainer.proc.returncode} after the last version; "
-                        f"last lines of {trainer.log_path}:\n" + tail(trainer.log_path)
-                    )
-                respawned += 1
-                cluster.respawn(trainer)
-            if time.monotonic() > wait_until:
-                log.warning("trainer still running 60 s after the last version; stopping it")
-                break
-            time.sleep(0.1)
+        _await_trainer_exit(cluster, max_restarts)
         finished = True
     finally:
         if bar is not None:
