@@ -31,6 +31,7 @@ from rolloutpipe.bench.harness import (
     where,
     write_results,
 )
+from rolloutpipe.bench.oracle import oracle, replay, sync_model
 from rolloutpipe.broker.events import StepMetrics
 from rolloutpipe.config import Config, load_config
 from rolloutpipe.errors import ConfigError
@@ -83,8 +84,8 @@ def median_metrics(ms: list[StepMetrics], skip_first: bool = True) -> dict[str, 
     return out
 
 
-def step_bounds(cfg: Config, timeline: Path) -> dict[int, Bound]:
-    """The r2t bound of every recorded step, from its samples' lengths (``bench/bound.py``)."""
+def models(cfg: Config) -> tuple[EngineModel, TrainerModel]:
+    """The emulated engine's and trainer's cost models, as the bound and the oracle read them."""
     from rolloutpipe.roles.trainer.backends import emulated_passes
 
     ec, tc = cfg.rollout.emulated, cfg.trainer.emulated
@@ -93,13 +94,50 @@ def step_bounds(cfg: Config, timeline: Path) -> dict[int, Bound]:
     gpm = cfg.controller.prompts_per_step // cfg.controller.minibatches
     tr = TrainerModel(tc.tokens_per_s, emulated_passes(cfg), tc.call_overhead_s, tc.optimizer_step_s, gpm,
                       tc.time_scale)  # fmt: skip
+    return eng, tr
+
+
+def step_workloads(timeline: Path) -> dict[int, list[list[tuple[int, int]]]]:
+    """Per recorded step, its groups' samples as (prompt tokens, response tokens)."""
     out = {}
     for line in timeline.read_text().splitlines():
         rec = json.loads(line)
         groups = [[(s[3], s[4]) for s in g["samples"]] for g in rec["groups"]]
         if groups:
-            out[rec["step"]] = r2t_bound(groups, eng, tr)
+            out[rec["step"]] = groups
     return out
+
+
+def step_replays(timeline: Path, eng: EngineModel, tr: TrainerModel, barrier: bool) -> dict[int, float]:
+    """Per recorded step, the run's own decisions played on the model (``oracle.replay``): each
+    sample on the worker that ran it, in the order it was admitted there."""
+    out = {}
+    for line in timeline.read_text().splitlines():
+        rec = json.loads(line)
+        by: dict[str, list[tuple[float, int, int]]] = {}
+        for gi, g in enumerate(rec["groups"]):
+            for si, smp in enumerate(g["samples"]):
+                by.setdefault(smp[0], []).append((smp[1], gi, si))
+        if by:
+            groups = [[(s[3], s[4]) for s in g["samples"]] for g in rec["groups"]]
+            placed = [[(gi, si) for _, gi, si in sorted(by[w])] for w in sorted(by)]
+            out[rec["step"]] = replay(groups, placed, eng, tr, barrier)
+    return out
+
+
+def step_bounds(cfg: Config, timeline: Path) -> dict[int, Bound]:
+    """The r2t bound of every recorded step, from its samples' lengths (``bench/bound.py``)."""
+    eng, tr = models(cfg)
+    return {k: r2t_bound(groups, eng, tr) for k, groups in step_workloads(timeline).items()}
+
+
+def pack_workload(groups: list[list[tuple[int, int]]]) -> dict[str, list[Any]]:
+    """A step's workload for results.json: one prompt length a group (its samples share the prompt)."""
+    return {"prompt": [g[0][0] for g in groups], "response": [[rt for _, rt in g] for g in groups]}
+
+
+def unpack_workload(w: dict[str, list[Any]]) -> list[list[tuple[int, int]]]:
+    return [[(int(p), int(r)) for r in rs] for p, rs in zip(w["prompt"], w["response"], strict=True)]
 
 
 def worker_split(timeline: Path, workers: int) -> dict[int, float]:
@@ -157,6 +195,53 @@ def derive(setting: dict[str, Any]) -> None:
     setting["achievable_wait_cut_modelled"] = interval(
         [1 - bound[k]["wait"] / modelled["sync"][k] for k in steps if modelled["sync"][k] > 0] or [0.0]
     )
+    if "workload_per_step" in setting and "models" in setting:
+        derive_oracle(setting)
+
+
+def derive_oracle(setting: dict[str, Any]) -> None:
+    """The oracle (``bench/oracle.py``) per step, and each mode against it.
+
+    Cuts are relative, each against its own sync: the oracle's and the bound's against sync on the
+    model, a mode's measured r2t against the measured sync; a mode's share of the oracle's cut is
+    the ratio of the two relative cuts (so the broker's overhead, which slows every mode alike, does
+    not count as a loss of the oracle's cut).  The modelled wait ratios: the trainer's modelled work
+    over each r2t, as in :func:`derive`.
+    """
+    steps = setting["steps"]
+    eng, tr = EngineModel(**setting["models"]["engine"]), TrainerModel(**setting["models"]["trainer"])
+    work = {int(k): unpack_workload(w) for k, w in setting["workload_per_step"].items()}
+    if "oracle_per_step" not in setting:  # computed once; a re-derive keeps it
+        setting["oracle_per_step"] = {}
+        for k in steps:
+            o = oracle(work[k], eng, tr)
+            setting["oracle_per_step"][k] = {"r2t": o.r2t, "schedule": o.schedule, "fifo": o.fifo,
+                                             "sync": sync_model(work[k], eng, tr)}  # fmt: skip
+    orc = {int(k): v for k, v in setting["oracle_per_step"].items()}
+    setting["oracle_per_step"] = orc
+    bound, sync = setting["bound_per_step"], setting["per_step"]["sync"]
+    busy = {k: bound[k]["terms"]["train_busy"] for k in steps}
+    setting["oracle_s"] = statistics.median(orc[k]["r2t"] for k in steps)
+    setting["sync_model_s"] = statistics.median(orc[k]["sync"] for k in steps)
+    cut = {k: 1 - orc[k]["r2t"] / orc[k]["sync"] for k in steps}
+    setting["oracle_cut"] = interval(list(cut.values()))
+    setting["bound_cut_model"] = interval([1 - bound[k]["r2t"] / orc[k]["sync"] for k in steps])
+    setting["oracle_schedules"] = sorted({orc[k]["schedule"] for k in steps})
+    wait = {k: wait_ratio_bound(busy[k], orc[k]["r2t"]) for k in steps}
+    sync_wait = {k: wait_ratio_bound(busy[k], orc[k]["sync"]) for k in steps}
+    setting["oracle_wait_cut_modelled"] = interval(
+        [1 - wait[k] / sync_wait[k] for k in steps if sync_wait[k] > 0] or [0.0]
+    )
+    for name, ms in setting["per_step"].items():
+        m = setting["modes"][name]
+        shares = [(1 - ms[k]["r2t"] / sync[k]["r2t"]) / cut[k] for k in steps if cut[k] > 0]
+        m["share_of_oracle_cut"] = interval(shares or [0.0])
+        rp = setting.get("replay_per_step", {}).get(name)
+        if rp:
+            rp = {int(k): v for k, v in rp.items()}
+            setting["replay_per_step"][name] = rp
+            m["replay_r2t_s"] = statistics.median(rp[k] for k in steps)
+            m["replay_gap"] = statistics.median(ms[k]["r2t"] / rp[k] - 1 for k in steps)
 
 
 def pct(iv: Any) -> str:
@@ -169,16 +254,24 @@ def pct(iv: Any) -> str:
 
 def mode_table(setting: dict[str, Any]) -> str:
     lines = [
-        "| mode | r2t (s) | vs sync [95% CI] | wait ratio | vs sync [95% CI] | wait ratio (modelled) | "
-        "vs sync [95% CI] | share of achievable cut | first group (s) | dispatch p50 / p99 (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | r2t (s) | vs sync [95% CI] | model replay (s) | gap | wait ratio | vs sync [95% CI] | "
+        "wait ratio (modelled) | vs sync [95% CI] | share of the oracle's cut [95% CI] | "
+        "share of the bound's cut | first group (s) | dispatch p50 / p99 (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, m in setting["modes"].items():
+        so = m.get("share_of_oracle_cut")
         lines.append(
             f"| {mode} | {m['rollout_to_train_end_s']:.2f} | {pct(m['reduction_vs_sync'])} | "
-            f"{m['trainer_wait_ratio']:.3f} | {pct(m['wait_ratio_reduction_vs_sync'])} | "
+            + (
+                f"{m['replay_r2t_s']:.2f} | {m['replay_gap']:+.1%} | "
+                if "replay_r2t_s" in m
+                else "n/a | n/a | "
+            )
+            + f"{m['trainer_wait_ratio']:.3f} | {pct(m['wait_ratio_reduction_vs_sync'])} | "
             f"{m['trainer_wait_ratio_modelled']:.3f} | {pct(m['wait_ratio_modelled_reduction_vs_sync'])} | "
-            f"{m['share_of_cut'][0]:.0%} | {m['first_group_s']:.2f} | "
+            + (f"{so[0]:.0%} [{so[1]:.0%}, {so[2]:.0%}] | " if so else "n/a | ")
+            + f"{m['share_of_cut'][0]:.0%} | {m['first_group_s']:.2f} | "
             f"{m['dispatch_latency_p50_s']:.3f} / {m['dispatch_latency_p99_s']:.3f} |"
         )
     lines.append("\n" + footer(setting))
@@ -190,6 +283,13 @@ def footer(s: dict[str, Any]) -> str:
     split = ", ".join(
         f"{k} {v['worker_imbalance']:.2f}" for k, v in s["modes"].items() if "worker_imbalance" in v
     )
+    orc = (
+        f"; oracle {s['oracle_s']:.2f} wall s (best of {', '.join(s['oracle_schedules'])}), its cut against "
+        f"sync on the model {pct(s['oracle_cut'])}, the bound's {pct(s['bound_cut_model'])}; sync measured "
+        f"{s['modes']['sync']['rollout_to_train_end_s']:.2f} s against {s['sync_model_s']:.2f} s on the model"
+        if "oracle_s" in s
+        else ""
+    )
     return (
         f"{s['name']}: true bound {s['bound_s']:.2f} wall s = {s['bound_s'] / s['time_scale']:.0f} emulated "
         "s "
@@ -199,6 +299,7 @@ def footer(s: dict[str, Any]) -> str:
         f"{s['window_steps']} of "
         f"{len(s['steps'])} cgp-fgd steps; broker+Python overhead "
         f"{max(m['overhead_frac'] for m in s['modes'].values()):.2%} of a step"
+        + orc
         + (f"; the busiest worker's tokens x an even split: {split}" if split else "")
         + (f"; BOUND VIOLATED (steps per mode): {viol}" if viol else "")
     )
@@ -212,7 +313,9 @@ def suite_table(settings: list[dict[str, Any]]) -> str:
     head = ["setting", "sync r2t (s)", *(f"{m} vs sync" for m in others), "achievable (bound)",
             "fgd share of cut", "fgd - cgp (points)", "sync wait", "fgd wait", "wait bound",
             "fgd wait vs sync", "achievable wait cut", "sync / fgd wait (modelled)",
-            "fgd wait vs sync (modelled)", "achievable wait cut (modelled)"]  # fmt: skip
+            "fgd wait vs sync (modelled)", "achievable wait cut (modelled)", "oracle cut",
+            "bound cut (model)", "fgd share of oracle cut", "oracle wait cut (modelled)",
+            "fgd replay gap"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in settings:
         m = s["modes"]
@@ -228,6 +331,13 @@ def suite_table(settings: list[dict[str, Any]]) -> str:
                f"{m['sync']['trainer_wait_ratio_modelled']:.2f} / {fg['trainer_wait_ratio_modelled']:.2f}",
                pct(fg["wait_ratio_modelled_reduction_vs_sync"]),
                pct(s["achievable_wait_cut_modelled"])]  # fmt: skip
+        if "oracle_s" in s:
+            so = fg["share_of_oracle_cut"]
+            row += [pct(s["oracle_cut"]), pct(s["bound_cut_model"]),
+                    f"{so[0]:.0%} [{so[1]:.0%}, {so[2]:.0%}]", pct(s["oracle_wait_cut_modelled"]),
+                    f"{fg['replay_gap']:+.1%}" if "replay_gap" in fg else "n/a"]  # fmt: skip
+        else:
+            row += ["n/a"] * 5
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", *(footer(s) for s in settings), "", targets(settings)]
     return "\n".join(lines)
@@ -247,7 +357,24 @@ def targets(settings: list[dict[str, Any]]) -> str:
     shares = [s["modes"]["cgp-fgd"]["share_of_cut"][0] for s in settings]
     ahead = [s["name"] for s in settings if s.get("fgd_minus_cgp", (0, 0, 0))[1] > 0]
     behind = [s["name"] for s in settings if s.get("fgd_minus_cgp", (0, 0, 0))[2] < 0]
+    lines = []
+    with_oracle = [s for s in settings if "oracle_s" in s]
+    for t in sorted({s.get("trainer", "") for s in with_oracle}):
+        ss = [s for s in with_oracle if s.get("trainer", "") == t]
+        fg = [s["modes"]["cgp-fgd"] for s in ss]
+        r_ok = [s for s in ss if s["oracle_cut"][0] >= 0.307]
+        r_met = [s["name"] for s in r_ok if s["modes"]["cgp-fgd"]["reduction_vs_sync"][0] >= 0.307]
+        w_ok = [s for s in ss if s["oracle_wait_cut_modelled"][0] >= 0.37]
+        w_met = [s["name"] for s in w_ok
+                 if s["modes"]["cgp-fgd"]["wait_ratio_modelled_reduction_vs_sync"][0] >= 0.37]  # fmt: skip
+        lines.append(
+            f"targets against the oracle{f' ({t} trainer)' if t else ''}: r2t >= 30.7% shorter in "
+            f"{len(r_met)} of the {len(r_ok)} settings whose oracle allows it; modelled wait ratio >= 37% "
+            f"lower in {len(w_met)} of {len(w_ok)}; median share of the oracle's cut "
+            f"{statistics.median(m['share_of_oracle_cut'][0] for m in fg):.0%} (target 90%)"
+        )  # fmt: skip
     return "\n".join([
+        *lines,
         f"targets (cgp-fgd vs sync): r2t >= 30.7% shorter in {len(r2t_met)} of the {len(r2t)} settings whose "
         f"bound allows it; wait ratio >= 37% lower in {len(wait_met)} of {len(wait)} wall-clock, "
         f"{len(wait_m_met)} of {len(wait_m)} modelled (the honest one: the trainer's modelled work, not its "
@@ -268,11 +395,13 @@ def window_steps(out: Path) -> int:
 
 def run_setting(
     name: str, overrides: list[str], base: Path, url: str, out: Path, bar: Any = None,
-    modes: tuple[str, ...] = DEFAULT_MODES,
+    modes: tuple[str, ...] = DEFAULT_MODES, trainer: str = "",
 ) -> dict[str, Any]:  # fmt: skip
     per_step: dict[str, dict[int, dict[str, float]]] = {}
     results: dict[str, Any] = {}
     bounds: dict[int, Bound] = {}
+    workloads: dict[int, list[list[tuple[int, int]]]] = {}
+    replays: dict[str, dict[int, float]] = {}
     steps: list[int] = []
     wsteps = 0
     for mode in modes:
@@ -289,8 +418,12 @@ def run_setting(
         measured = [split[k] for k in steps if k in split]
         if measured:  # even work (issue 26): a worker may take more than its share of a step
             results[mode]["worker_imbalance"] = statistics.median(measured)
-        if mode == "sync":
-            bounds = step_bounds(cfg, Path(cfg.out) / "timeline.jsonl")
+        timeline = Path(cfg.out) / "timeline.jsonl"
+        eng, tr = models(cfg)
+        replays[mode] = step_replays(timeline, eng, tr, barrier=mode == "sync")
+        if mode == "sync":  # a request's length is a function of its id: the same in every mode
+            bounds = step_bounds(cfg, timeline)
+            workloads = step_workloads(timeline)
         if mode == "cgp-fgd":
             wsteps = window_steps(Path(cfg.out))
         per_step[mode] = {m.step: {"r2t": m.rollout_to_train_end_s, "wait": m.trainer_wait_ratio} for m in ms}
@@ -307,6 +440,10 @@ def run_setting(
             for k, b in bounds.items()
         },
         "window_steps": wsteps,
+        "trainer": trainer,
+        "models": {"engine": asdict(eng), "trainer": asdict(tr)},
+        "workload_per_step": {k: pack_workload(workloads[k]) for k in steps if k in workloads},
+        "replay_per_step": replays,
     }
     setting["bound_s"] = statistics.median(setting["bound_per_step"][k]["r2t"] for k in steps)
     derive(setting)
@@ -319,18 +456,25 @@ def run_setting(
     return setting
 
 
-def load_suite(name: str) -> tuple[Path, list[tuple[str, list[str]]], tuple[str, ...]]:
+def load_suite(name: str) -> tuple[Path, list[tuple[str, list[str], str]], tuple[str, ...]]:
+    """The suite's hardware file, its settings (name, overrides, trainer configuration) and modes.
+
+    With a ``trainers`` map, every setting runs once under each trainer configuration (its name
+    ends with the configuration's); without one, once under the hardware file's trainer."""
     path = spec_path(name)
     if not path.exists():
         raise ConfigError(f"benchmark suite {name!r} not found (looked for {path})")
     spec = yaml.safe_load(path.read_text())
     base = path.parent / spec["hardware"]
+    trainers = {k: flatten(v or {}) for k, v in (spec.get("trainers") or {"": {}}).items()}
     settings = []
     for wname, wfile in spec["workloads"].items():
         wover = flatten(yaml.safe_load((path.parent / wfile).read_text()) or {})
         for s in spec["settings"]:
             extra = {k: v for k, v in s.items() if k != "name"}
-            settings.append((f"{wname}-{s['name']}", [*wover, *flatten(extra)]))
+            for tname, tover in trainers.items():
+                sname = f"{wname}-{s['name']}" + (f"-{tname}" if tname else "")
+                settings.append((sname, [*wover, *flatten(extra), *tover], tname))
     modes = tuple(spec.get("modes", DEFAULT_MODES))
     unknown = [m for m in modes if m not in MODE_SPECS]
     if unknown or "sync" not in modes:
@@ -358,17 +502,17 @@ def run_bench(
     modes: tuple[str, ...] = DEFAULT_MODES
     if suite:
         base, settings, modes = load_suite(suite)
-        settings = [(n, [*o, *extra]) for n, o in settings]
+        settings = [(n, [*o, *extra], t) for n, o, t in settings]
     else:
         base = Path(config) if config else DEFAULT_CONFIG
-        settings = [("quick", extra)]
+        settings = [("quick", extra, "")]
     load_config(base, settings[0][1], environ={})  # fail fast on a bad config, before any process starts
     out.mkdir(parents=True, exist_ok=True)
     results = []
     with session(url, progress=progress, total=len(settings) * len(modes), desc="bench") as s:
-        for name, over in settings:
+        for name, over, trainer in settings:
             s.label(name)
-            results.append(run_setting(name, over, base, s.url, out, s, modes))
+            results.append(run_setting(name, over, base, s.url, out, s, modes, trainer))
     wall_s = s.wall_s
     doc = {"suite": suite or "quick", "wall_s": wall_s, "settings": results}
     text = mode_table(results[0]) if len(results) == 1 else suite_table(results)

@@ -420,6 +420,10 @@ class TrainerConfig(_Section):
     # is the old name of recompute and still accepted)
     old_logprobs: Literal["engine", "recompute", "frozen"] = "engine"
     tis_cap: float = Field(default=0.0, ge=0.0)  # truncated IS min(pi_old / pi_engine, cap); 0: off
+    # Activation recompute (Megatron's --recompute-granularity full, HF's gradient checkpointing):
+    # the backward computes each layer's forward again instead of keeping its activations.  Exact,
+    # less memory, about a forward more a token (the emulated trainer charges forward_pass_cost).
+    activation_checkpointing: bool = False
     seed: int = 0
     record_groups: bool = False  # write every consumed group to OUT/groups.msgpack (replay, audits)
     keep_versions: int = 3  # published weight versions kept on disk (0 keeps all)

@@ -13,6 +13,8 @@ admission badly (longest groups last, or a window that starved the pool) loses m
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import pytest
@@ -53,3 +55,26 @@ def test_mode_orderings(tmp_path: Path, redis_server: EmbeddedRedis) -> None:
     assert cgp["trainer_wait_ratio"] < sync["trainer_wait_ratio"]
     assert fgd["trainer_wait_ratio"] < sync["trainer_wait_ratio"]
     assert Path(s["timeline_png"]).stat().st_size > 10_000
+    # the references (issue 26): per step, bound <= oracle <= fifo on the model <= sync on the model
+    for k in s["steps"]:
+        o = s["oracle_per_step"][k]
+        assert s["bound_per_step"][k]["r2t"] <= o["r2t"] * (1 + 1e-9) <= o["fifo"] * (1 + 1e-9) <= o["sync"]
+    work = s["workload_per_step"]
+    assert {int(k) for k in work} == set(s["steps"])
+    # every group's samples share one prompt length (what pack_workload keeps of it), read back
+    # from the trainer's timeline of another mode: the workload is the same in every mode
+    rows = [json.loads(x) for x in (tmp_path / "order" / "cgp" / "timeline.jsonl").read_text().splitlines()]
+    for rec in rows:
+        if rec["step"] in s["steps"]:
+            want = work[rec["step"]]
+            got = sorted((g["samples"][0][3], sorted(x[4] for x in g["samples"])) for g in rec["groups"])
+            assert got == sorted(zip(want["prompt"], (sorted(r) for r in want["response"]), strict=True))
+            assert all(len({x[3] for x in g["samples"]}) == 1 for g in rec["groups"])
+    # the model replay of a mode that holds nothing back is the model's time for the run's own
+    # decisions: the measured run pays the broker and Python on top (5% of slack for the clock).
+    # cgp-fgd's window holds groups back, which the replay does not: no ordering there
+    for mode in ("sync", "cgp"):
+        m = s["modes"][mode]
+        assert m["replay_gap"] > -0.05, (mode, m["replay_gap"])
+    assert s["modes"]["cgp-fgd"]["replay_r2t_s"] > 0
+    assert 0 < s["oracle_s"] <= s["sync_model_s"]

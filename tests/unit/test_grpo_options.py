@@ -385,6 +385,16 @@ def test_config_rejects(tmp_path: Path, overrides: tuple[str, ...], match: str) 
         (("trainer.kl_coef=0.01", "trainer.old_logprobs=recompute"), 1.0 + 2 / 3),
         (("trainer.entropy_coef=0.01", "trainer.clip_high=0.28", "trainer.loss_agg=seq-mean-token-sum"), 1.0),
         (("trainer.old_logprobs=recompute", "trainer.emulated.forward_pass_cost=0.5"), 1.5),
+        (("trainer.activation_checkpointing=true",), 1.0 + 1 / 3),
+        # slime's default (its scripts/run-qwen3-4B.sh): reference, old logprobs, full recompute
+        (
+            (
+                "trainer.kl_coef=0.001",
+                "trainer.old_logprobs=recompute",
+                "trainer.activation_checkpointing=true",
+            ),
+            2.0,
+        ),
     ],
 )
 def test_emulated_trainer_charges_the_extra_forwards(
@@ -450,3 +460,45 @@ def test_the_reference_model_is_the_initial_weights_or_ref_path(tmp_path: Path, 
     assert be2.ref is not None
     for (name, p), q in zip(be2.ref.named_parameters(), other.parameters(), strict=True):
         assert torch.equal(p, q), name
+
+
+def test_activation_checkpointing_recomputes_the_forward_and_changes_no_gradient(
+    tmp_path: Path, model_cache: str
+) -> None:
+    """trainer.activation_checkpointing (slime's --recompute-granularity full): each decoder layer's
+    MLP runs again in the backward (counted by a hook: a no-op option fails here), and the
+    gradients equal those without it."""
+    from rolloutpipe.roles.trainer.backends import TorchBackend
+    from tests.support.events import make_group
+
+    g = make_group()
+    rng = np.random.default_rng(0)
+    vocab = [  # ids the tiny model's 18-token vocabulary holds
+        {"prompt_ids": np.array([1, 2, 3], dtype=np.int32),
+         "response_ids": rng.integers(4, 18, size=len(s.response_ids)).astype(np.int32)}
+        for s in g.samples
+    ]  # fmt: skip
+    g = g.model_copy(
+        update={"samples": [s.model_copy(update=v) for s, v in zip(g.samples, vocab, strict=True)]}
+    )
+    grads, calls = [], []
+    for on in (False, True):
+        be = TorchBackend(make_config(tmp_path, "ac", f"model.cache_dir={model_cache}",
+                                      f"trainer.activation_checkpointing={str(on).lower()}"))  # fmt: skip
+        layer = next(m for m in be.model.modules() if type(m).__name__.endswith("DecoderLayer"))
+        # a module inside the layer, counted by wrapping its forward: HF keeps the layer's hooks
+        # outside the checkpoint, and the recompute does not run forward hooks
+        n, forward = [0], layer.mlp.forward
+
+        def counted(*a: object, _f: object = forward, _n: list[int] = n, **k: object) -> object:
+            _n[0] += 1
+            return _f(*a, **k)  # type: ignore[operator]
+
+        layer.mlp.forward = counted
+        be.accumulate(g)
+        calls.append(n[0])
+        grads.append([p.grad.clone() for p in be.model.parameters() if p.grad is not None])
+    assert calls == [1, 2]  # one forward, then the same forward again in the backward
+    assert len(grads[0]) == len(grads[1]) > 0
+    for a, b in zip(grads[0], grads[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

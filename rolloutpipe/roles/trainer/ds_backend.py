@@ -143,6 +143,7 @@ class _Replica:
         import torch.distributed as dist
 
         from rolloutpipe.model.lm import ensure_model, load_model
+        from rolloutpipe.roles.trainer.backends import checkpoint_activations
 
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # it logs its whole config at INFO
         # DeepSpeed calls the collectives torch renamed, once a step each: not ours to fix
@@ -168,6 +169,8 @@ class _Replica:
         self.path = ensure_model(cfg.model)
         model = load_model(self.path, 1)
         model.train()
+        if tc.activation_checkpointing:
+            checkpoint_activations(model)
         self.engine, self.opt, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=ds_config(cfg)
         )
