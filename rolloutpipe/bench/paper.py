@@ -441,6 +441,7 @@ def run_setting(
         },
         "window_steps": wsteps,
         "trainer": trainer,
+        "workload": name.removesuffix(f"-{trainer}") if trainer else name,
         "models": {"engine": asdict(eng), "trainer": asdict(tr)},
         "workload_per_step": {k: pack_workload(workloads[k]) for k in steps if k in workloads},
         "replay_per_step": replays,
@@ -520,29 +521,72 @@ def run_bench(
     return text, where(out, wall_s)
 
 
-def rederive(path: Path, write: bool = False) -> str:
-    """The tables of a saved ``results.json``, derived again by this version of :func:`derive`: its
-    per-step figures and bounds are kept, nothing is run again.  ``write``: store the derived fields
-    back into the file."""
+def adopt_workloads(doc: dict[str, Any], source: dict[str, Any], trainer: str, suite: str = "paper") -> None:
+    """Give a results file that has no per-step workloads (one measured before they were kept) the
+    workloads of another run of the same settings, so that the oracle can be derived for it.
+
+    Sound because a request's response length is a function of its step, group, sample and prompt
+    (``EmulatedEngine.response_length``), never of the mode, the trainer or the run's name; and
+    checked: the bound of every step, recomputed from the adopted workload with this suite's models
+    for ``trainer``, must equal the bound stored when the run was measured, or nothing is adopted.
+    """
+    base, specs, _ = load_suite(suite)
+    over = {n: o for n, o, _ in specs}
+    src = {s.get("workload", s["name"]): s for s in source["settings"]}
+    adopted = []
+    for s in doc["settings"]:
+        name = s.get("workload", s["name"])
+        if name not in src or f"{name}-{trainer}" not in over:
+            raise ValueError(f"setting {name}: not in the source run or not a {trainer} setting of {suite}")
+        eng, tr = models(load_config(base, over[f"{name}-{trainer}"], environ={}))
+        work = {int(k): v for k, v in src[name]["workload_per_step"].items()}
+        for k, b in s["bound_per_step"].items():
+            if int(k) not in work:
+                raise ValueError(f"setting {name}: step {k} is not in the source run")
+            got = r2t_bound(unpack_workload(work[int(k)]), eng, tr).r2t
+            if abs(got - b["r2t"]) > 1e-9 * b["r2t"]:
+                raise ValueError(
+                    f"setting {name}, step {k}: the adopted workload's bound is {got:.6f} s, the stored one "
+                    f"{b['r2t']:.6f} s: not the same workload or not the same models; nothing adopted"
+                )
+        adopted.append((s, name, eng, tr, {k: work[int(k)] for k in s["bound_per_step"]}))
+    for s, name, eng, tr, work in adopted:  # all checked: now change the document
+        s.update(workload=name, trainer=trainer, models={"engine": asdict(eng), "trainer": asdict(tr)},
+                 workload_per_step=work)  # fmt: skip
+        s.pop("oracle_per_step", None)
+
+
+def rederive(
+    path: Path, write: bool = False, workloads_from: Path | None = None, trainer: str = "lean"
+) -> list[dict[str, Any]]:
+    """The settings of a saved ``results.json``, derived again by this version of :func:`derive`:
+    its per-step figures and bounds are kept, nothing is run again.  ``workloads_from``: adopt the
+    per-step workloads of that run first, if this one has none (:func:`adopt_workloads`).
+    ``write``: store the derived fields back into the file."""
     doc = json.loads(path.read_text())
     for s in doc["settings"]:
         s["per_step"] = {m: {int(k): v for k, v in ps.items()} for m, ps in s["per_step"].items()}
         s["bound_per_step"] = {int(k): v for k, v in s["bound_per_step"].items()}
+    if workloads_from is not None and not all("workload_per_step" in s for s in doc["settings"]):
+        adopt_workloads(doc, json.loads(workloads_from.read_text()), trainer)
+    for s in doc["settings"]:
         derive(s)
     if write:
         path.write_text(json.dumps(doc, indent=2))  # as write_results writes it
-    settings = doc["settings"]
-    return mode_table(settings[0]) if len(settings) == 1 else suite_table(settings)
+    return list(doc["settings"])
 
 
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
     ap = argparse.ArgumentParser(description=rederive.__doc__)
-    ap.add_argument("results", type=Path, help="a paper suite's results.json")
-    ap.add_argument("--write", action="store_true", help="store the derived fields back into it")
+    ap.add_argument("results", type=Path, nargs="+", help="paper suite results.json files: one table")
+    ap.add_argument("--write", action="store_true", help="store the derived fields back into each")
+    ap.add_argument("--workloads-from", type=Path, help="adopt that run's per-step workloads first")
+    ap.add_argument("--trainer", default="lean", help="the trainer configuration the adopting file ran")
     a = ap.parse_args(argv)
-    print(rederive(a.results, a.write))
+    settings = [s for p in a.results for s in rederive(p, a.write, a.workloads_from, a.trainer)]
+    print(mode_table(settings[0]) if len(settings) == 1 else suite_table(settings))
 
 
 register(

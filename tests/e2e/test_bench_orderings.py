@@ -14,7 +14,6 @@ admission badly (longest groups last, or a window that starved the pool) loses m
 from __future__ import annotations
 
 import json
-
 from pathlib import Path
 
 import pytest

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rolloutpipe.bench.paper import derive, mode_table, rederive, worker_split
+from rolloutpipe.bench.paper import derive, mode_table, rederive, suite_table, worker_split
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,7 +47,8 @@ def test_rederiving_the_committed_results_reproduces_every_stored_figure(tmp_pat
     path = tmp_path / "paper.json"
     shutil.copy(ROOT / "docs/results/paper.json", path)
     before = json.loads(path.read_text())
-    text = rederive(path, write=True)
+    settings = rederive(path, write=True)
+    text = suite_table(settings)
     after = json.loads(path.read_text())
     assert "modelled" in text
     one = after["settings"][0]
@@ -80,3 +81,35 @@ def test_worker_split_is_the_busiest_workers_tokens_over_an_even_split(tmp_path:
     path.write_text("\n".join(json.dumps(s) for s in steps))
     split = worker_split(path, workers=2)
     assert split == {1: pytest.approx(90 / 100 * 2), 2: pytest.approx(1.0), 3: pytest.approx(2.0)}
+
+
+def test_adopting_workloads_checks_every_steps_bound_and_changes_nothing_on_a_mismatch() -> None:
+    """adopt_workloads takes another run's per-step workloads only where they reproduce the bound
+    stored at measurement time, with the suite's own models for the named trainer."""
+    from rolloutpipe.bench.bound import r2t_bound
+    from rolloutpipe.bench.paper import adopt_workloads, load_suite, models, pack_workload
+    from rolloutpipe.config import load_config
+
+    base, specs, _ = load_suite("paper")
+    over = {n: o for n, o, _ in specs}
+    eng, tr = models(load_config(base, over["gsm8k-b32-n8-mb2-lean"], environ={}))
+    work = {k: [[(256, 100 + 37 * g + 11 * s + k) for s in range(8)] for g in range(32)] for k in (1, 2)}
+    stored = {k: {"r2t": r2t_bound(w, eng, tr).r2t} for k, w in work.items()}
+    packed = {str(k): pack_workload(w) for k, w in work.items()}
+    source = {"settings": [{"name": "gsm8k-b32-n8-mb2-slime", "workload": "gsm8k-b32-n8-mb2",
+                            "workload_per_step": packed}]}  # fmt: skip
+    doc = {"settings": [{"name": "gsm8k-b32-n8-mb2", "bound_per_step": stored}]}
+    adopt_workloads(doc, source, "lean")
+    s = doc["settings"][0]
+    assert s["trainer"] == "lean" and s["models"]["trainer"]["passes"] == 1.0
+    assert set(s["workload_per_step"]) == {1, 2}
+    # slime's models give another bound for the same lengths: refused, and nothing changed
+    doc2 = {"settings": [{"name": "gsm8k-b32-n8-mb2", "bound_per_step": stored}]}
+    with pytest.raises(ValueError, match="nothing adopted"):
+        adopt_workloads(doc2, source, "slime")
+    assert doc2 == {"settings": [{"name": "gsm8k-b32-n8-mb2", "bound_per_step": stored}]}
+    # one response a token longer in step 2: refused
+    source["settings"][0]["workload_per_step"]["2"]["response"][5][3] += 400
+    with pytest.raises(ValueError, match="step 2"):
+        adopt_workloads({"settings": [{"name": "gsm8k-b32-n8-mb2", "bound_per_step": stored}]}, source,
+                        "lean")  # fmt: skip
