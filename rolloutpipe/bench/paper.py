@@ -420,7 +420,9 @@ def run_setting(
             results[mode]["worker_imbalance"] = statistics.median(measured)
         timeline = Path(cfg.out) / "timeline.jsonl"
         eng, tr = models(cfg)
-        replays[mode] = step_replays(timeline, eng, tr, barrier=mode == "sync")
+        kv = cfg.rollout.emulated.kv_cache_tokens
+        if not kv:  # the oracle and the replay do not model a KV cache (the bound holds with one)
+            replays[mode] = step_replays(timeline, eng, tr, barrier=mode == "sync")
         if mode == "sync":  # a request's length is a function of its id: the same in every mode
             bounds = step_bounds(cfg, timeline)
             workloads = step_workloads(timeline)
@@ -442,10 +444,12 @@ def run_setting(
         "window_steps": wsteps,
         "trainer": trainer,
         "workload": name.removesuffix(f"-{trainer}") if trainer else name,
-        "models": {"engine": asdict(eng), "trainer": asdict(tr)},
+        "kv_cache_tokens": kv,
         "workload_per_step": {k: pack_workload(workloads[k]) for k in steps if k in workloads},
         "replay_per_step": replays,
     }
+    if not kv:  # without models, derive() leaves the oracle out
+        setting["models"] = {"engine": asdict(eng), "trainer": asdict(tr)}
     setting["bound_s"] = statistics.median(setting["bound_per_step"][k]["r2t"] for k in steps)
     derive(setting)
     try:
@@ -521,6 +525,12 @@ def run_bench(
     return text, where(out, wall_s)
 
 
+def workload_name(s: dict[str, Any]) -> str:
+    """A setting's name without its trainer configuration's suffix."""
+    t = s.get("trainer", "")
+    return str(s.get("workload") or (s["name"].removesuffix(f"-{t}") if t else s["name"]))
+
+
 def adopt_workloads(doc: dict[str, Any], source: dict[str, Any], trainer: str, suite: str = "paper") -> None:
     """Give a results file that has no per-step workloads (one measured before they were kept) the
     workloads of another run of the same settings, so that the oracle can be derived for it.
@@ -532,7 +542,7 @@ def adopt_workloads(doc: dict[str, Any], source: dict[str, Any], trainer: str, s
     """
     base, specs, _ = load_suite(suite)
     over = {n: o for n, o, _ in specs}
-    src = {s.get("workload", s["name"]): s for s in source["settings"]}
+    src = {workload_name(s): s for s in source["settings"]}
     adopted = []
     for s in doc["settings"]:
         name = s.get("workload", s["name"])
@@ -540,7 +550,8 @@ def adopt_workloads(doc: dict[str, Any], source: dict[str, Any], trainer: str, s
             raise ValueError(f"setting {name}: not in the source run or not a {trainer} setting of {suite}")
         eng, tr = models(load_config(base, over[f"{name}-{trainer}"], environ={}))
         work = {int(k): v for k, v in src[name]["workload_per_step"].items()}
-        for k, b in s["bound_per_step"].items():
+        for k in s["steps"]:  # the measured steps (the warm-up's workload is not kept)
+            b = s["bound_per_step"][k]
             if int(k) not in work:
                 raise ValueError(f"setting {name}: step {k} is not in the source run")
             got = r2t_bound(unpack_workload(work[int(k)]), eng, tr).r2t
@@ -549,7 +560,7 @@ def adopt_workloads(doc: dict[str, Any], source: dict[str, Any], trainer: str, s
                     f"setting {name}, step {k}: the adopted workload's bound is {got:.6f} s, the stored one "
                     f"{b['r2t']:.6f} s: not the same workload or not the same models; nothing adopted"
                 )
-        adopted.append((s, name, eng, tr, {k: work[int(k)] for k in s["bound_per_step"]}))
+        adopted.append((s, name, eng, tr, {k: work[int(k)] for k in s["steps"]}))
     for s, name, eng, tr, work in adopted:  # all checked: now change the document
         s.update(workload=name, trainer=trainer, models={"engine": asdict(eng), "trainer": asdict(tr)},
                  workload_per_step=work)  # fmt: skip

@@ -98,18 +98,18 @@ def test_adopting_workloads_checks_every_steps_bound_and_changes_nothing_on_a_mi
     packed = {str(k): pack_workload(w) for k, w in work.items()}
     source = {"settings": [{"name": "gsm8k-b32-n8-mb2-slime", "workload": "gsm8k-b32-n8-mb2",
                             "workload_per_step": packed}]}  # fmt: skip
-    doc = {"settings": [{"name": "gsm8k-b32-n8-mb2", "bound_per_step": stored}]}
+    doc = {"settings": [{"name": "gsm8k-b32-n8-mb2", "steps": [1, 2], "bound_per_step": stored}]}
     adopt_workloads(doc, source, "lean")
     s = doc["settings"][0]
     assert s["trainer"] == "lean" and s["models"]["trainer"]["passes"] == 1.0
     assert set(s["workload_per_step"]) == {1, 2}
     # slime's models give another bound for the same lengths: refused, and nothing changed
-    doc2 = {"settings": [{"name": "gsm8k-b32-n8-mb2", "bound_per_step": stored}]}
+    doc2 = {"settings": [{"name": "gsm8k-b32-n8-mb2", "steps": [1, 2], "bound_per_step": stored}]}
     with pytest.raises(ValueError, match="nothing adopted"):
         adopt_workloads(doc2, source, "slime")
-    assert doc2 == {"settings": [{"name": "gsm8k-b32-n8-mb2", "bound_per_step": stored}]}
+    assert doc2 == {"settings": [{"name": "gsm8k-b32-n8-mb2", "steps": [1, 2], "bound_per_step": stored}]}
     # one response a token longer in step 2: refused
     source["settings"][0]["workload_per_step"]["2"]["response"][5][3] += 400
     with pytest.raises(ValueError, match="step 2"):
-        adopt_workloads({"settings": [{"name": "gsm8k-b32-n8-mb2", "bound_per_step": stored}]}, source,
-                        "lean")  # fmt: skip
+        doc3 = {"settings": [{"name": "gsm8k-b32-n8-mb2", "steps": [1, 2], "bound_per_step": stored}]}
+        adopt_workloads(doc3, source, "lean")
