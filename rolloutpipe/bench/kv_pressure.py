@@ -49,9 +49,11 @@ def pressure(L: Lengths, kv_tokens: int, prompt: int, engines: int, slots: int, 
     t = over_t = peak = 0.0
     ctx_time = seq_time = 0.0  # integrals of the running context and the running count
     while queue or any(running):
-        for r in running:
-            while queue and len(r) < slots:
-                r.append([float(queue.pop(0)), float(prompt)])
+        while queue:  # the next request to the engine with the fewest running (workers pull at once)
+            r = min(running, key=len)
+            if len(r) >= slots:
+                break
+            r.append([float(queue.pop(0)), float(prompt)])
         dt = min(min(x[0] for x in r) * (a + c * len(r)) for r in running if r)
         over = 0.0
         for r in running:

@@ -27,6 +27,15 @@ def test_a_cache_above_the_peak_is_never_exceeded() -> None:
     assert p.over == 0.0 and p.peak < 1.0
 
 
+def test_requests_spread_over_the_engines_as_workers_pulling_at_once() -> None:
+    # two requests of 10 tokens and two engines of 2 slots: one each (the suite's workers take about
+    # their share of a step, issue 26 part 5), so no engine's demand passes 10 tokens.  Filling
+    # engine 0's slots first would put both there: demand 20 against a cache of 15.
+    p = pressure(np.array([[10, 10]]), 15, prompt=0, engines=2, slots=2, a=1.0, c=0.0)
+    assert p.peak == pytest.approx(10 / 15)
+    assert p.over == 0.0
+
+
 def test_the_paper_settings_are_all_read() -> None:
     rows = table(Path("configs/bench/paper.yaml"), 600_000, seeds=1)
     assert len(rows) == 12 and all(r["peak"] > 0 for r in rows)
