@@ -323,6 +323,20 @@ class StepState:
                 total += int(w["capacity"])
         return total
 
+    async def kv_tokens(self) -> int:
+        """Sum of live workers' KV caches in tokens; 0 if any of them reports none (an engine
+        without a limit, or one that does not know it): then no policy may count on a limit."""
+        total = 0
+        for w in await self.live_workers():
+            try:
+                kv = int(w.get("kv_tokens", 0))
+            except (ValueError, TypeError):
+                kv = 0
+            if kv <= 0:
+                return 0
+            total += kv
+        return total
+
     # ------------------------------------------------ the controller's prompt history
 
     async def prompt_history(self) -> dict[int, list[list[Any]]]:

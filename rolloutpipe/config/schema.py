@@ -318,6 +318,9 @@ class ControllerConfig(_Section):
     # FGD orders the groups it starts by their prompts' response lengths in earlier epochs
     # (critical long groups first, then shortest first); groups without history keep plan order.
     fgd_length_aware: bool = True
+    # ...except in a step where the engines' reported KV cache could not hold the longest requests
+    # that shortest-first leaves for last: then the plan's order (the KV guard; false = always length).
+    fgd_kv_guard: bool = True
     # Backpressure, a safety valve: no request is released while more than this many groups sit in
     # ``groups`` unacknowledged by the trainer (0 = off; else >= prompts_per_step, docs/operations.md).
     max_trainer_lag_groups: int = 0

@@ -102,6 +102,11 @@ class EmulatedEngine:
     def capacity(self) -> int:
         return self.cfg.max_num_seqs
 
+    @property
+    def kv_tokens(self) -> int:
+        """The KV cache in tokens (0: unlimited), reported in the heartbeat."""
+        return self.cfg.kv_cache_tokens
+
     def response_length(self, req: RolloutRequest) -> int:
         c = self.cfg
         z_sample = _rng(self.seed, req.request_id, "len").standard_normal()

@@ -282,6 +282,7 @@ class Controller:
             if any(g.unreleased for g in view.groups.values()):
                 if time.monotonic() - cap_at > CAPACITY_EVERY_S or cap == 0:
                     cap, cap_at = await self.b.capacity(), time.monotonic()
+                    view.kv_tokens = await self.b.kv_tokens()
                 released = sum(g.released for g in view.groups.values())
                 view.capacity = cap
                 view.inflight = released - await self.b.finished(step)

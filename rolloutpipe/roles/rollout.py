@@ -108,6 +108,8 @@ class RolloutWorker:
             info = {
                 "id": self.id,
                 "capacity": self.engine.capacity,
+                # the engine's KV cache in tokens, where it reports one (0: unlimited or unknown)
+                "kv_tokens": int(getattr(self.engine, "kv_tokens", 0)),
                 "inflight": len(self.inflight),
                 "version": self.version,
                 "samples": self.samples,

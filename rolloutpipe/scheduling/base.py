@@ -129,6 +129,7 @@ class StepView:
     groups_per_minibatch: int
     groups: dict[str, GroupView]
     capacity: int = 0  # engine slots of the live workers
+    kv_tokens: int = 0  # the live workers' KV cache in tokens; 0 if any reports none (unlimited or unknown)
     inflight: int = 0  # requests released and not yet finished
     emitted: int = 0  # groups sent to the trainer so far
     history: Mapping[int, Sequence[PromptRecord]] = field(default_factory=dict)

@@ -21,6 +21,17 @@ Groups without history (the first epoch) keep the plan's order, after those with
 the window is on, nothing is critical: the pool is held back on purpose and the window is filled
 shortest first.
 
+*Where the KV cache would overflow, the plan's order instead.*  Shortest first leaves the longest
+requests for last, and they then run together: the engines hold at once the ``capacity`` longest
+requests of the step.  Where the engines report a KV cache (``StepView.kv_tokens``) smaller than
+those requests' predicted responses, that tail cannot fit: a KV-limited engine preempts and
+recomputes it over and over, and the step ends later than in the plan's order, which mixes lengths
+(measured on the KV-limited emulated engine, docs/benchmark.md).  So for such a step the length
+order is off and the plan's order stands (the frontier still comes first, by priority); it is
+decided per step from the history and the engines' reported cache, with no constant.  An engine
+that reports no cache (0: unlimited or unknown) leaves the length order on.  ``fgd_kv_guard: false``
+turns the guard off (the ablation ``fgd-no-kvguard`` of the paper bench).
+
 **The window** (``fgd_window``).  While on, only groups of the next ``lookahead`` mini-batches
 beyond those complete may start: fewer sequences per engine make each decode step shorter, so the
 frontier completes sooner, at the price of engine throughput.  ``auto`` decides per step from the
@@ -77,7 +88,7 @@ class FrontierPolicy(BasePolicy):
     # May the order cross the plan's mini-batches?  Not for a policy that decides per plan
     # mini-batch (it would wait on groups a window never starts).
     REORDERS = True
-    ARGS = ("lookahead", "slack", "window", "length_aware")
+    ARGS = ("lookahead", "slack", "window", "length_aware", "kv_guard")
 
     def __init__(self, cfg: ControllerConfig, **args: Any) -> None:
         super().__init__(cfg)
@@ -97,6 +108,7 @@ class FrontierPolicy(BasePolicy):
                 f"{type(self).__name__} decides per plan mini-batch: length_aware must stay off"
             )
         self.length_aware = bool(args.get("length_aware", cfg.fgd_length_aware)) and self.REORDERS
+        self.kv_guard = bool(args.get("kv_guard", cfg.fgd_kv_guard))
         self.window = False
         self.lookahead = self.fixed_lookahead or 0
         self.window_on: dict[int, bool] = {}
@@ -104,6 +116,7 @@ class FrontierPolicy(BasePolicy):
         self._ranked_for: tuple[int, int, int] = (-1, -1, -1)
         self._ranked: list[str] = []
         self._pred: dict[str, tuple[float, float]] = {}
+        self._kv_bound: dict[int, bool] = {}  # step -> the length order's tail overflows the cache
 
     def plan(self, info: StepInfo) -> list[GroupSpec]:
         self.window = self.use_window(info)
@@ -174,6 +187,27 @@ class FrontierPolicy(BasePolicy):
             self._ranked_for = (id(view), view.step, len(view.groups))
         return self._ranked, self._pred
 
+    def tail_overflows(self, view: StepView, pred: dict[str, tuple[float, float]]) -> bool:
+        """Would the step's ``capacity`` longest predicted requests, run together at the end of a
+        shortest-first order, overflow the engines' KV cache?  Decided once a step, with the first
+        cache the engines report (the prompts' tokens are left out: the test errs toward the length
+        order)."""
+        if view.step not in self._kv_bound:
+            if not view.kv_tokens or not pred:
+                return False  # no cache reported yet, or nothing to order by: decide later
+            known = [g for g in view.groups.values() if g.group_id in pred]
+            per_request = sorted((pred[g.group_id][0] for g in known for _ in range(g.target)), reverse=True)
+            tail = sum(per_request[: max(1, view.capacity)])
+            bound = tail > view.kv_tokens
+            self._kv_bound = {k: v for k, v in self._kv_bound.items() if k >= view.step - 2}
+            self._kv_bound[view.step] = bound
+            if bound:
+                log.info(
+                    "step %d: the %d longest predicted requests hold %.0f tokens > the cache %d: plan order",
+                    view.step, view.capacity, tail, view.kv_tokens,
+                )  # fmt: skip
+        return self._kv_bound[view.step]
+
     def order(self, view: StepView) -> list[GroupView]:
         """Groups with requests to release: those under way first, then those not started."""
         todo = [g for g in view.groups.values() if g.unreleased]
@@ -182,6 +216,8 @@ class FrontierPolicy(BasePolicy):
         if not self.length_aware:
             return under_way + fresh
         ranked, pred = self.ranked(view)
+        if self.kv_guard and self.tail_overflows(view, pred):
+            return under_way + fresh
         known = [
             view.groups[gid] for gid in ranked if not view.groups[gid].started and view.groups[gid].unreleased
         ]

@@ -25,7 +25,7 @@ Parameters (``controller.policy_args``), with the reason for each default (the a
 and the average group that makes an allocation worth it), ``budget`` (G: the same rollouts as
 GRPO), ``round`` (n0: each round doubles a chosen pilot), ``top_frac`` (0.5: half the groups with
 signal per round, so several rounds refine the estimate); FGD's ``lookahead``, ``slack`` and
-``window`` and ``length_aware`` as in ``fgd.py``.
+``window``, ``length_aware`` and ``kv_guard`` as in ``fgd.py``.
 """
 
 from __future__ import annotations

@@ -169,6 +169,12 @@ async def test_live_workers_come_from_the_registry_without_scan(
         await b.heartbeat("w1", {"capacity": 2, "t": time.time()}, ttl_s=30)
         await b.heartbeat("w2", {"capacity": 1, "t": time.time()}, ttl_s=30)
         assert await b.capacity() == 7
+        assert await b.kv_tokens() == 0  # workers that report no KV cache: no limit to count on
+        await b.heartbeat("w0", {"capacity": 4, "kv_tokens": 600, "t": time.time()}, ttl_s=30)
+        await b.heartbeat("w1", {"capacity": 2, "kv_tokens": 300, "t": time.time()}, ttl_s=30)
+        assert await b.kv_tokens() == 0  # w2 still reports none
+        await b.heartbeat("w2", {"capacity": 1, "kv_tokens": 100, "t": time.time()}, ttl_s=30)
+        assert await b.kv_tokens() == 1000
         await b.drop_heartbeat("w1")  # a worker that stops says so
         await r.delete(k.heartbeat("w2"))  # one whose key expired (it died)
         assert [w["capacity"] for w in await b.live_workers()] == [4]

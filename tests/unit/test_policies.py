@@ -176,6 +176,47 @@ def test_length_aware_fgd_starts_critical_groups_longest_first_then_the_rest_sho
     assert [r.group_id for r in p.admit(view, free=8)] == ["1:1", "1:4"]
 
 
+@pytest.mark.parametrize(
+    ("kv_tokens", "first"), [(0, ["1:0", "1:6"]), (6800, ["1:0", "1:6"]), (6799, ["1:0", "1:1"])]
+)
+def test_length_aware_fgd_keeps_the_plan_order_where_its_tail_would_overflow_the_kv_cache(
+    kv_tokens: int, first: list[str]
+) -> None:
+    """Shortest first leaves the 8 (= capacity) longest predicted requests to run together: groups
+    1 and 4, 4 x 900 + 4 x 800 = 6,800 tokens.  A cache that holds them (or none reported) keeps the
+    length order (shortest first: 100, 150); one a token smaller takes the plan's order."""
+    p = FrontierPolicy(cfg(fgd_window="off"))
+    view = view_for(p, info())
+    view.capacity, view.kv_tokens = 8, kv_tokens
+    with_history(view, {0: 100, 1: 900, 2: 300, 3: 200, 4: 800, 5: 400, 6: 150, 7: 250})
+    rel = p.admit(view, free=8)
+    assert [r.group_id for r in rel] == first
+    # decided once a step, on the first cache reported: a later report does not flip the order
+    apply(view, rel)
+    if kv_tokens:
+        view.kv_tokens = 10**9 if kv_tokens == 6799 else 1
+    nxt = [r.group_id for r in p.admit(view, free=8)]
+    assert nxt == (["1:2", "1:3"] if kv_tokens == 6799 else ["1:3", "1:7"])
+    # the next step decides again
+    view = view_for(p, info(step=2))
+    view.capacity, view.kv_tokens = 8, 1
+    with_history(view, {0: 100, 1: 900, 2: 300, 3: 200, 4: 800, 5: 400, 6: 150, 7: 250})
+    assert [r.group_id for r in p.admit(view, free=8)] == ["2:0", "2:1"]
+
+
+def test_fgd_without_its_kv_guard_keeps_the_length_order_where_the_tail_overflows() -> None:
+    """The ablation ``fgd_kv_guard: false`` (and ``policy_args: {kv_guard: false}``): the same step
+    as above with a cache far too small still goes shortest first."""
+    for p in (
+        FrontierPolicy(cfg(fgd_window="off", fgd_kv_guard=False)),
+        FrontierPolicy(cfg(fgd_window="off"), kv_guard=False),
+    ):
+        view = view_for(p, info())
+        view.capacity, view.kv_tokens = 8, 1
+        with_history(view, {0: 100, 1: 900, 2: 300, 3: 200, 4: 800, 5: 400, 6: 150, 7: 250})
+        assert [r.group_id for r in p.admit(view, free=8)] == ["1:0", "1:6"]
+
+
 def test_length_aware_fgd_puts_long_groups_first_when_the_pool_is_small() -> None:
     """1 slot: the work per slot exceeds no group's length only when little is left; with 8 groups
     of mean 100..800 on 64 slots, work per slot = 4 x 3,600 / 64 = 225: groups of 300+ are
