@@ -77,6 +77,12 @@ def _parser() -> argparse.ArgumentParser:
         "lookahead, once (checks the path)",
     )
     bench.add_argument("--scale", type=float, help="wall seconds per emulated second (overrides the config)")
+    bench.add_argument(
+        "--only",
+        default="",
+        metavar="GLOBS",
+        help="paper suites: run only the settings whose name matches one of these comma-separated globs",
+    )
     bench.add_argument("--no-progress", action="store_true")
     bench.add_argument("overrides", nargs="*", help="dotted.key=value")
 
@@ -351,6 +357,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from rolloutpipe.bench.paper import run_bench
 
     setup_logging("WARNING", "bench")
+    other = args.suite and (
+        is_broker_suite(args.suite) or args.suite == "multiplex" or is_allocation_suite(args.suite)
+    )
+    if args.only and other:
+        raise ConfigError(
+            "--only selects settings of a paper-style suite (--suite paper|paper-kv), not " + args.suite
+        )
     if args.suite and is_broker_suite(args.suite):
         if args.overrides or args.steps is not None or args.scale is not None or args.config:
             raise ConfigError(
@@ -398,6 +411,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         suite=args.suite,
         scale=args.scale,
+        only=args.only,
     )
     return _report(table, where)
 

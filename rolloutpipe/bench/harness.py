@@ -177,6 +177,7 @@ class BenchArgs:
     url: str = ""
     progress: bool = True
     quick: bool = False
+    only: str = ""  # paper-style suites: comma-separated globs of setting names
 
     def given(self) -> set[str]:
         """The refusable flags (``FLAGS``) that were given."""

@@ -11,6 +11,7 @@ stamped by the trainer.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import statistics
@@ -46,7 +47,8 @@ KEYS = ("rollout_to_train_end_s", "trainer_wait_ratio", "first_group_s", "dispat
 # Each mode of the bench: its config overrides.  sync/cgp/cgp-fgd are the paper's presets; the rest
 # are controls and ablations, so that each mechanism is measured on and off in the same run:
 # cgp-late is FIFO with late assignment (load balancing without FGD's order), fgd-no-length and
-# fgd-no-window are cgp-fgd without one of its two mechanisms.
+# fgd-no-window are cgp-fgd without one of its two mechanisms, fgd-no-kvguard without the guard that
+# keeps the plan's order where the length order's tail would overflow the KV cache.
 MODE_SPECS: dict[str, list[str]] = {
     "sync": ["controller.mode=sync"],
     "cgp": ["controller.mode=cgp"],
@@ -54,6 +56,7 @@ MODE_SPECS: dict[str, list[str]] = {
     "cgp-fgd": ["controller.mode=cgp-fgd"],
     "fgd-no-length": ["controller.mode=cgp-fgd", "controller.fgd_length_aware=false"],
     "fgd-no-window": ["controller.mode=cgp-fgd", "controller.fgd_window=off"],
+    "fgd-no-kvguard": ["controller.mode=cgp-fgd", "controller.fgd_kv_guard=false"],
 }
 DEFAULT_MODES = ("sync", "cgp", "cgp-late", "cgp-fgd")
 # Student's t, 97.5th percentile, by degrees of freedom (1.96 only beyond 30)
@@ -140,6 +143,16 @@ def unpack_workload(w: dict[str, list[Any]]) -> list[list[tuple[int, int]]]:
     return [[(int(p), int(r)) for r in rs] for p, rs in zip(w["prompt"], w["response"], strict=True)]
 
 
+def kv_preemptions(timeline: Path) -> dict[int, int]:
+    """Per recorded step, how many times a KV-limited engine preempted one of its samples."""
+    out = {}
+    for line in timeline.read_text().splitlines():
+        rec = json.loads(line)
+        if rec["groups"]:
+            out[rec["step"]] = sum(len(smp[5]) for g in rec["groups"] for smp in g["samples"] if len(smp) > 5)
+    return out
+
+
 def worker_split(timeline: Path, workers: int) -> dict[int, float]:
     """Per recorded step, the largest share of its response tokens that one rollout worker ran, as a
     multiple of an even split (1.0: each of the ``workers`` ran 1/workers; ``workers``: one ran all).
@@ -187,6 +200,10 @@ def derive(setting: dict[str, Any]) -> None:
     if "cgp" in setting["per_step"] and "cgp-fgd" in setting["per_step"]:
         cg, fg = setting["per_step"]["cgp"], setting["per_step"]["cgp-fgd"]
         setting["fgd_minus_cgp"] = interval([(cg[k]["r2t"] - fg[k]["r2t"]) / sync[k]["r2t"] for k in steps])
+        if "fgd-no-kvguard" in setting["per_step"]:  # what the KV guard buys, paired by step
+            ng = setting["per_step"]["fgd-no-kvguard"]
+            gain = [(ng[k]["r2t"] - fg[k]["r2t"]) / sync[k]["r2t"] for k in steps]
+            setting["kv_guard_gain"] = interval(gain)
     setting["achievable_cut"] = interval([1 - bound[k]["r2t"] / sync[k]["r2t"] for k in steps])
     setting["wait_bound"] = statistics.fmean(bound[k]["wait"] for k in steps)
     setting["achievable_wait_cut"] = interval(
@@ -316,6 +333,12 @@ def suite_table(settings: list[dict[str, Any]]) -> str:
             "fgd wait vs sync (modelled)", "achievable wait cut (modelled)", "oracle cut",
             "bound cut (model)", "fgd share of oracle cut", "oracle wait cut (modelled)",
             "fgd replay gap"]  # fmt: skip
+    kv = any(s.get("kv_cache_tokens") for s in settings)
+    if kv:  # KV-limited engines: how often each mode's engines preempted (the timelines mark each)
+        head.append("KV preemptions a step (" + " / ".join(modes) + ")")
+    guard = any("kv_guard_gain" in s for s in settings)
+    if guard:
+        head.append("fgd - fgd-no-kvguard (points)")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in settings:
         m = s["modes"]
@@ -338,6 +361,11 @@ def suite_table(settings: list[dict[str, Any]]) -> str:
                     f"{fg['replay_gap']:+.1%}" if "replay_gap" in fg else "n/a"]  # fmt: skip
         else:
             row += ["n/a"] * 5
+        if kv:
+            row.append(" / ".join(f"{m[o].get('kv_preemptions', 0):.0f}" for o in modes))
+        if guard:
+            g = s.get("kv_guard_gain")
+            row.append(f"{g[0] * 100:+.1f} [{g[1] * 100:+.1f}, {g[2] * 100:+.1f}]" if g else "n/a")
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", *(footer(s) for s in settings), "", targets(settings)]
     return "\n".join(lines)
@@ -421,7 +449,10 @@ def run_setting(
         timeline = Path(cfg.out) / "timeline.jsonl"
         eng, tr = models(cfg)
         kv = cfg.rollout.emulated.kv_cache_tokens
-        if not kv:  # the oracle and the replay do not model a KV cache (the bound holds with one)
+        if kv:  # the timelines mark each preemption; the median over the measured steps
+            pre = kv_preemptions(timeline)
+            results[mode]["kv_preemptions"] = statistics.median(pre.get(k, 0) for k in steps)
+        else:  # the oracle and the replay do not model a KV cache (the bound holds with one)
             replays[mode] = step_replays(timeline, eng, tr, barrier=mode == "sync")
         if mode == "sync":  # a request's length is a function of its id: the same in every mode
             bounds = step_bounds(cfg, timeline)
@@ -465,13 +496,15 @@ def load_suite(name: str) -> tuple[Path, list[tuple[str, list[str], str]], tuple
     """The suite's hardware file, its settings (name, overrides, trainer configuration) and modes.
 
     With a ``trainers`` map, every setting runs once under each trainer configuration (its name
-    ends with the configuration's); without one, once under the hardware file's trainer."""
+    ends with the configuration's); without one, once under the hardware file's trainer.  A suite's
+    ``overrides`` map applies to every setting, after the workload's and before the setting's own."""
     path = spec_path(name)
     if not path.exists():
         raise ConfigError(f"benchmark suite {name!r} not found (looked for {path})")
     spec = yaml.safe_load(path.read_text())
     base = path.parent / spec["hardware"]
     trainers = {k: flatten(v or {}) for k, v in (spec.get("trainers") or {"": {}}).items()}
+    common = flatten(spec.get("overrides") or {})
     settings = []
     for wname, wfile in spec["workloads"].items():
         wover = flatten(yaml.safe_load((path.parent / wfile).read_text()) or {})
@@ -479,12 +512,18 @@ def load_suite(name: str) -> tuple[Path, list[tuple[str, list[str], str]], tuple
             extra = {k: v for k, v in s.items() if k != "name"}
             for tname, tover in trainers.items():
                 sname = f"{wname}-{s['name']}" + (f"-{tname}" if tname else "")
-                settings.append((sname, [*wover, *flatten(extra), *tover], tname))
+                settings.append((sname, [*wover, *common, *flatten(extra), *tover], tname))
     modes = tuple(spec.get("modes", DEFAULT_MODES))
     unknown = [m for m in modes if m not in MODE_SPECS]
     if unknown or "sync" not in modes:
         raise ConfigError(f"suite {name!r}: modes must include sync and be among {sorted(MODE_SPECS)}")
     return base, settings, modes
+
+
+def select(settings: list[tuple[str, list[str], str]], only: str) -> list[tuple[str, list[str], str]]:
+    """The settings whose name matches one of ``only``'s comma-separated globs (all, for "")."""
+    globs = [g.strip() for g in only.split(",") if g.strip()]
+    return [s for s in settings if not globs or any(fnmatch.fnmatchcase(s[0], g) for g in globs)]
 
 
 def run_bench(
@@ -497,8 +536,10 @@ def run_bench(
     progress: bool = True,
     suite: str = "",
     scale: float | None = None,
+    only: str = "",
 ) -> tuple[str, str]:
-    """Run the benchmark; returns the table and a line saying where the results are."""
+    """Run the benchmark; returns the table and a line saying where the results are.  ``only``: globs
+    (``fnmatch``, comma-separated); a suite's setting runs if its name matches one of them."""
     extra = list(overrides)
     if steps is not None:
         extra.append(f"controller.steps={steps}")
@@ -507,7 +548,15 @@ def run_bench(
     modes: tuple[str, ...] = DEFAULT_MODES
     if suite:
         base, settings, modes = load_suite(suite)
-        settings = [(n, [*o, *extra], t) for n, o, t in settings]
+        chosen = select(settings, only)
+        if not chosen:
+            names = ", ".join(n for n, _, _ in settings)
+            raise ConfigError(
+                f"--only {only!r} matches no setting of suite {suite!r} (its settings: {names})"
+            )
+        settings = [(n, [*o, *extra], t) for n, o, t in chosen]
+    elif only:
+        raise ConfigError("--only selects settings of a suite (--suite paper|paper-kv)")
     else:
         base = Path(config) if config else DEFAULT_CONFIG
         settings = [("quick", extra, "")]
@@ -604,7 +653,7 @@ register(
     Suite(
         name="paper",
         run=lambda a: run_bench(a.config or None, a.out, a.overrides, steps=a.steps, url=a.url,
-                                progress=a.progress, suite=a.suite, scale=a.scale),
+                                progress=a.progress, suite=a.suite, scale=a.scale, only=a.only),
         config=DEFAULT_CONFIG,
         refuses=frozenset({"quick"}),
         refusal="--quick is for the allocation and broker suites (--suite allocation|broker)",

@@ -41,6 +41,36 @@ def test_the_modelled_wait_ratio_is_r2t_less_the_modelled_work_by_hand() -> None
     assert s["achievable_wait_cut_modelled"][0] == pytest.approx(1 - (1 - 4 / 6) / 0.6)
 
 
+def test_the_kv_guards_gain_is_the_ablation_less_fgd_over_sync_paired_by_step() -> None:
+    s = setting()
+    s["per_step"]["cgp"] = {1: {"r2t": 9.0, "wait": 0.5}, 2: {"r2t": 9.0, "wait": 0.5}}
+    s["per_step"]["fgd-no-kvguard"] = {1: {"r2t": 9.0, "wait": 0.5}, 2: {"r2t": 10.0, "wait": 0.5}}
+    s["modes"] = {m: {} for m in s["per_step"]}
+    derive(s)
+    assert s["kv_guard_gain"][0] == pytest.approx(0.15)  # (9 - 8) / 10 and (10 - 8) / 10
+    assert s["fgd_minus_cgp"][0] == pytest.approx(0.1)
+    del s["per_step"]["fgd-no-kvguard"], s["kv_guard_gain"]
+    derive(s)
+    assert "kv_guard_gain" not in s  # no ablation run, no figure
+
+
+def test_the_suite_table_shows_the_kv_guards_gain_where_the_ablation_ran(tmp_path: Path) -> None:
+    path = tmp_path / "paper.json"
+    shutil.copy(ROOT / "docs/results/paper.json", path)
+    one = rederive(path)[0]
+    assert "fgd-no-kvguard" not in suite_table([one])
+    # the ablation as cgp's steps, on a KV-limited run: the gain is cgp's lead over cgp-fgd
+    one["per_step"]["fgd-no-kvguard"] = one["per_step"]["cgp"]
+    one["modes"]["fgd-no-kvguard"] = dict(one["modes"]["cgp"])
+    one["kv_cache_tokens"] = 600_000
+    derive(one)
+    assert one["kv_guard_gain"] == pytest.approx(one["fgd_minus_cgp"])
+    head, _, row = suite_table([one]).splitlines()[:3]
+    g = one["kv_guard_gain"]
+    assert head.endswith("| fgd - fgd-no-kvguard (points) |")
+    assert row.endswith(f"| {g[0] * 100:+.1f} [{g[1] * 100:+.1f}, {g[2] * 100:+.1f}] |")
+
+
 def test_rederiving_the_committed_results_reproduces_every_stored_figure(tmp_path: Path) -> None:
     """docs/results/paper.json was derived when it was measured; deriving it again with this code
     must give the same wall-clock figures (derive is unchanged for them) and adds the modelled ones."""
@@ -113,3 +143,55 @@ def test_adopting_workloads_checks_every_steps_bound_and_changes_nothing_on_a_mi
     with pytest.raises(ValueError, match="step 2"):
         doc3 = {"settings": [{"name": "gsm8k-b32-n8-mb2", "steps": [1, 2], "bound_per_step": stored}]}
         adopt_workloads(doc3, source, "lean")
+
+
+def test_the_kv_suite_is_the_paper_suite_with_the_cache_on_for_every_setting() -> None:
+    """paper-kv.yaml's ``overrides`` reach every setting, after the workload's keys and before the
+    trainer's, and its settings are paper.yaml's (slime's trainer)."""
+    from rolloutpipe.bench.paper import load_suite
+    from rolloutpipe.config import load_config
+
+    base, paper, _ = load_suite("paper")
+    _, kv, modes = load_suite("paper-kv")
+    assert [n for n, _, _ in kv] == [n for n, _, t in paper if t == "slime"]
+    assert "sync" in modes and "cgp-fgd" in modes
+    for name, over, trainer in kv:
+        e = load_config(base, over, environ={}).rollout.emulated
+        assert (e.kv_cache_tokens, e.kv_block_tokens, e.preemption) == (600_000, 16, "vllm"), name
+        assert over.index("rollout.emulated.kv_cache_tokens=600000") < over.index("trainer.kl_coef=0.001")
+        assert trainer == "slime"
+    # the workload's lengths stand: olympiad's median is olympiad's
+    olympiad = next(o for n, o, _ in kv if n.startswith("olympiad"))
+    assert load_config(base, olympiad, environ={}).rollout.emulated.length_median == 6000
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "--suite", "paper-kv", "--only", "nothing-*"], "matches no setting of suite 'paper-kv'"),
+        (["bench", "--only", "olympiad-*"], "--only selects settings of a suite"),
+        (["bench", "--suite", "broker", "--only", "x"], "--only selects settings of a paper-style suite"),
+        (["bench", "--suite", "allocation", "--only", "x"], "--only selects settings of a paper-style suite"),
+    ],
+)
+def test_only_refuses_what_it_cannot_select_before_anything_runs(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rolloutpipe.cli import main
+
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_only_selects_the_settings_that_match_one_of_its_globs() -> None:
+    from rolloutpipe.bench.paper import load_suite, select
+
+    _, kv, _ = load_suite("paper-kv")
+    names = [n for n, _, _ in select(kv, "competition-b128-*, olympiad-b32-n16-*,olympiad-b128-*")]
+    assert names == [
+        "competition-b128-n8-mb8-slime",
+        "olympiad-b32-n16-mb4-slime",
+        "olympiad-b128-n8-mb8-slime",
+    ]
+    assert select(kv, "") == kv
+    assert select(kv, "gsm8k") == []  # a glob matches the whole name
