@@ -68,7 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=int)
     bench.add_argument("--redis-url", default="")
     bench.add_argument(
-        "--suite", default="", help="a suite under configs/bench/ (paper, allocation, broker, multiplex)"
+        "--suite",
+        default="",
+        help="a suite under configs/bench/ (paper, paper-kv, allocation, broker, multiplex)",
     )
     bench.add_argument(
         "--quick",
