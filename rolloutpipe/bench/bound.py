@@ -68,6 +68,13 @@ class EngineModel:
     decode_per_seq_s: float  # c
     prefill_s: float  # p: one request's prefill
     time_scale: float = 1.0  # wall seconds per emulated second
+    # The KV cache, as ``engines/emulated.py`` models it (0: none).  The bound ignores these (the
+    # docstring says why it still holds); the oracle (``bench/oracle.py``) plays them.
+    kv_tokens: int = 0
+    kv_block_tokens: int = 16
+    decode_per_kv_token_s: float = 0.0  # k: a decode step's cost per cached token it reads
+    prefill_per_token_s: float = 0.0  # a preempted sequence's recompute: this x (prompt + its tokens)
+    preemption: str = "vllm"  # whom the engine preempts: "vllm" (priority) or "sglang"
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,9 @@ def models(cfg: Config) -> tuple[EngineModel, TrainerModel]:
 
     ec, tc = cfg.rollout.emulated, cfg.trainer.emulated
     eng = EngineModel(cfg.rollout.workers, ec.max_num_seqs, ec.decode_base_s, ec.decode_per_seq_s,
-                      ec.prefill_per_token_s * ec.prompt_tokens, ec.time_scale)  # fmt: skip
+                      ec.prefill_per_token_s * ec.prompt_tokens, ec.time_scale, kv_tokens=ec.kv_cache_tokens,
+                      kv_block_tokens=ec.kv_block_tokens, decode_per_kv_token_s=ec.decode_per_kv_token_s,
+                      prefill_per_token_s=ec.prefill_per_token_s, preemption=ec.preemption)  # fmt: skip
     gpm = cfg.controller.prompts_per_step // cfg.controller.minibatches
     tr = TrainerModel(tc.tokens_per_s, emulated_passes(cfg), tc.call_overhead_s, tc.optimizer_step_s, gpm,
                       tc.time_scale)  # fmt: skip
@@ -233,7 +235,8 @@ def derive_oracle(setting: dict[str, Any]) -> None:
         for k in steps:
             o = oracle(work[k], eng, tr)
             setting["oracle_per_step"][k] = {"r2t": o.r2t, "schedule": o.schedule, "fifo": o.fifo,
-                                             "sync": sync_model(work[k], eng, tr)}  # fmt: skip
+                                             "sync": sync_model(work[k], eng, tr),
+                                             "preemptions": o.preemptions}  # fmt: skip
     orc = {int(k): v for k, v in setting["oracle_per_step"].items()}
     setting["oracle_per_step"] = orc
     bound, sync = setting["bound_per_step"], setting["per_step"]["sync"]
@@ -244,6 +247,8 @@ def derive_oracle(setting: dict[str, Any]) -> None:
     setting["oracle_cut"] = interval(list(cut.values()))
     setting["bound_cut_model"] = interval([1 - bound[k]["r2t"] / orc[k]["sync"] for k in steps])
     setting["oracle_schedules"] = sorted({orc[k]["schedule"] for k in steps})
+    if eng.kv_tokens:
+        setting["oracle_kv_preemptions"] = statistics.median(orc[k].get("preemptions", 0) for k in steps)
     wait = {k: wait_ratio_bound(busy[k], orc[k]["r2t"]) for k in steps}
     sync_wait = {k: wait_ratio_bound(busy[k], orc[k]["sync"]) for k in steps}
     setting["oracle_wait_cut_modelled"] = interval(
@@ -304,6 +309,11 @@ def footer(s: dict[str, Any]) -> str:
         f"; oracle {s['oracle_s']:.2f} wall s (best of {', '.join(s['oracle_schedules'])}), its cut against "
         f"sync on the model {pct(s['oracle_cut'])}, the bound's {pct(s['bound_cut_model'])}; sync measured "
         f"{s['modes']['sync']['rollout_to_train_end_s']:.2f} s against {s['sync_model_s']:.2f} s on the model"
+        + (
+            f"; the oracle's KV preemptions a step {s['oracle_kv_preemptions']:.0f}"
+            if "oracle_kv_preemptions" in s
+            else ""
+        )
         if "oracle_s" in s
         else ""
     )
@@ -452,7 +462,7 @@ def run_setting(
         if kv:  # the timelines mark each preemption; the median over the measured steps
             pre = kv_preemptions(timeline)
             results[mode]["kv_preemptions"] = statistics.median(pre.get(k, 0) for k in steps)
-        else:  # the oracle and the replay do not model a KV cache (the bound holds with one)
+        else:  # a replay with a cache would need each request's engine priority, which is not recorded
             replays[mode] = step_replays(timeline, eng, tr, barrier=mode == "sync")
         if mode == "sync":  # a request's length is a function of its id: the same in every mode
             bounds = step_bounds(cfg, timeline)
@@ -478,9 +488,8 @@ def run_setting(
         "kv_cache_tokens": kv,
         "workload_per_step": {k: pack_workload(workloads[k]) for k in steps if k in workloads},
         "replay_per_step": replays,
+        "models": {"engine": asdict(eng), "trainer": asdict(tr)},
     }
-    if not kv:  # without models, derive() leaves the oracle out
-        setting["models"] = {"engine": asdict(eng), "trainer": asdict(tr)}
     setting["bound_s"] = statistics.median(setting["bound_per_step"][k]["r2t"] for k in steps)
     derive(setting)
     try:
@@ -616,12 +625,47 @@ def adopt_workloads(doc: dict[str, Any], source: dict[str, Any], trainer: str, s
         s.pop("oracle_per_step", None)
 
 
+def attach_models(doc: dict[str, Any]) -> None:
+    """Give the settings of a results file that kept no cost models (a KV-limited run measured before
+    the oracle modelled a cache) the models of their suite's configuration, with the cache size the
+    run stored, so that the oracle can be derived for them.
+
+    Checked as :func:`adopt_workloads` checks: the bound of every measured step, recomputed from the
+    step's stored workload with these models, must equal the bound stored when the run was
+    measured, or nothing is attached.  (The bound reads the decode, prefill and trainer constants,
+    not the cache's; the cache's constants are the suite file's, which the check cannot see.)"""
+    base, specs, _ = load_suite(doc["suite"])
+    over = {n: o for n, o, _ in specs}
+    found = []
+    for s in doc["settings"]:
+        if "models" in s:
+            continue
+        if s["name"] not in over:
+            raise ValueError(f"setting {s['name']}: not a setting of suite {doc['suite']!r}")
+        kv = [f"rollout.emulated.kv_cache_tokens={s['kv_cache_tokens']}"] if s.get("kv_cache_tokens") else []
+        eng, tr = models(load_config(base, [*over[s["name"]], *kv], environ={}))
+        work = {int(k): unpack_workload(w) for k, w in s["workload_per_step"].items()}
+        for k in s["steps"]:
+            got, want = r2t_bound(work[int(k)], eng, tr).r2t, s["bound_per_step"][k]["r2t"]
+            if abs(got - want) > 1e-9 * want:
+                raise ValueError(
+                    f"setting {s['name']}, step {k}: the suite's models give a bound of {got:.6f} s, the "
+                    f"stored one is {want:.6f} s: not the same models; nothing attached"
+                )
+        found.append((s, eng, tr))
+    for s, eng, tr in found:
+        s["models"] = {"engine": asdict(eng), "trainer": asdict(tr)}
+        s.pop("oracle_per_step", None)
+
+
 def rederive(
-    path: Path, write: bool = False, workloads_from: Path | None = None, trainer: str = "lean"
-) -> list[dict[str, Any]]:
+    path: Path, write: bool = False, workloads_from: Path | None = None, trainer: str = "lean",
+    attach: bool = False,
+) -> list[dict[str, Any]]:  # fmt: skip
     """The settings of a saved ``results.json``, derived again by this version of :func:`derive`:
     its per-step figures and bounds are kept, nothing is run again.  ``workloads_from``: adopt the
     per-step workloads of that run first, if this one has none (:func:`adopt_workloads`).
+    ``attach``: give settings without cost models their suite's (:func:`attach_models`).
     ``write``: store the derived fields back into the file."""
     doc = json.loads(path.read_text())
     for s in doc["settings"]:
@@ -629,6 +673,8 @@ def rederive(
         s["bound_per_step"] = {int(k): v for k, v in s["bound_per_step"].items()}
     if workloads_from is not None and not all("workload_per_step" in s for s in doc["settings"]):
         adopt_workloads(doc, json.loads(workloads_from.read_text()), trainer)
+    if attach:
+        attach_models(doc)
     for s in doc["settings"]:
         derive(s)
     if write:
@@ -644,8 +690,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--write", action="store_true", help="store the derived fields back into each")
     ap.add_argument("--workloads-from", type=Path, help="adopt that run's per-step workloads first")
     ap.add_argument("--trainer", default="lean", help="the trainer configuration the adopting file ran")
+    ap.add_argument(
+        "--attach-models",
+        action="store_true",
+        help="give settings without cost models their suite's (checked against stored bounds)",
+    )
     a = ap.parse_args(argv)
-    settings = [s for p in a.results for s in rederive(p, a.write, a.workloads_from, a.trainer)]
+    settings = [s for p in a.results
+                for s in rederive(p, a.write, a.workloads_from, a.trainer, a.attach_models)]  # fmt: skip
     print(mode_table(settings[0]) if len(settings) == 1 else suite_table(settings))
 
 

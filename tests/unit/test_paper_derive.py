@@ -195,3 +195,42 @@ def test_only_selects_the_settings_that_match_one_of_its_globs() -> None:
     ]
     assert select(kv, "") == kv
     assert select(kv, "gsm8k") == []  # a glob matches the whole name
+
+
+def test_the_kv_runs_get_their_suites_models_only_where_the_stored_bounds_agree() -> None:
+    """attach_models gives a KV run measured before the oracle modelled a cache the cost models of
+    paper-kv.yaml with the run's cache size; a stored bound that the models do not reproduce stops it."""
+    from rolloutpipe.bench.bound import EngineModel, TrainerModel
+    from rolloutpipe.bench.oracle import oracle
+    from rolloutpipe.bench.paper import attach_models, unpack_workload
+
+    committed = json.loads((ROOT / "docs/results/paper-kv-300k.json").read_text())
+    doc = json.loads(json.dumps(committed))
+    for s in doc["settings"]:
+        del s["models"]
+        s["bound_per_step"] = {int(k): v for k, v in s["bound_per_step"].items()}
+    attach_models(doc)
+    for s, c in zip(doc["settings"], committed["settings"], strict=True):
+        assert s["models"] == c["models"] and s["models"]["engine"]["kv_tokens"] == 300_000
+
+    # the committed oracle of one step, recomputed from its workload with those models
+    def requests(s: dict) -> int:
+        return sum(map(len, s["workload_per_step"][str(s["steps"][0])]["response"]))
+
+    s = min(doc["settings"], key=requests)
+    k = str(s["steps"][0])
+    eng, tr = EngineModel(**s["models"]["engine"]), TrainerModel(**s["models"]["trainer"])
+    o = oracle(unpack_workload(s["workload_per_step"][k]), eng, tr)
+    stored = next(c for c in committed["settings"] if c["name"] == s["name"])["oracle_per_step"][k]
+    assert (o.r2t, o.schedule, o.preemptions) == (pytest.approx(stored["r2t"]), stored["schedule"],
+                                                  stored["preemptions"])  # fmt: skip
+    # one stored bound off by 1%: nothing is attached, to any setting
+    bad = json.loads(json.dumps(committed))
+    for s in bad["settings"]:
+        del s["models"]
+        s["bound_per_step"] = {int(k): v for k, v in s["bound_per_step"].items()}
+    last = bad["settings"][-1]
+    last["bound_per_step"][last["steps"][-1]]["r2t"] *= 1.01
+    with pytest.raises(ValueError, match="nothing attached"):
+        attach_models(bad)
+    assert not any("models" in s for s in bad["settings"])
