@@ -85,6 +85,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="GLOBS",
         help="paper suites: run only the settings whose name matches one of these comma-separated globs",
     )
+    bench.add_argument(
+        "--modes",
+        default="",
+        metavar="LIST",
+        help="paper suites: run only these comma-separated modes (sync always; e.g. cgp-fgd,fgd-no-critical)",
+    )
     bench.add_argument("--no-progress", action="store_true")
     bench.add_argument("overrides", nargs="*", help="dotted.key=value")
 
@@ -362,9 +368,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     other = args.suite and (
         is_broker_suite(args.suite) or args.suite == "multiplex" or is_allocation_suite(args.suite)
     )
-    if args.only and other:
+    if (args.only or args.modes) and other:
         raise ConfigError(
-            "--only selects settings of a paper-style suite (--suite paper|paper-kv), not " + args.suite
+            "--only and --modes select settings and modes of a paper-style suite (--suite paper|paper-kv), "
+            "not " + args.suite
         )
     if args.suite and is_broker_suite(args.suite):
         if args.overrides or args.steps is not None or args.scale is not None or args.config:
@@ -414,6 +421,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         suite=args.suite,
         scale=args.scale,
         only=args.only,
+        modes=args.modes,
     )
     return _report(table, where)
 

@@ -178,6 +178,7 @@ class BenchArgs:
     progress: bool = True
     quick: bool = False
     only: str = ""  # paper-style suites: comma-separated globs of setting names
+    modes: str = ""  # paper-style suites: comma-separated modes to run instead of the suite's
 
     def given(self) -> set[str]:
         """The refusable flags (``FLAGS``) that were given."""

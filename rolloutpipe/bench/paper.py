@@ -48,7 +48,8 @@ KEYS = ("rollout_to_train_end_s", "trainer_wait_ratio", "first_group_s", "dispat
 # are controls and ablations, so that each mechanism is measured on and off in the same run:
 # cgp-late is FIFO with late assignment (load balancing without FGD's order), fgd-no-length and
 # fgd-no-window are cgp-fgd without one of its two mechanisms, fgd-no-kvguard without the guard that
-# keeps the plan's order where the length order's tail would overflow the KV cache.
+# keeps the plan's order where the length order's tail would overflow the KV cache, fgd-no-critical
+# with plain shortest first instead of the critical (long groups first) rule.
 MODE_SPECS: dict[str, list[str]] = {
     "sync": ["controller.mode=sync"],
     "cgp": ["controller.mode=cgp"],
@@ -57,6 +58,7 @@ MODE_SPECS: dict[str, list[str]] = {
     "fgd-no-length": ["controller.mode=cgp-fgd", "controller.fgd_length_aware=false"],
     "fgd-no-window": ["controller.mode=cgp-fgd", "controller.fgd_window=off"],
     "fgd-no-kvguard": ["controller.mode=cgp-fgd", "controller.fgd_kv_guard=false"],
+    "fgd-no-critical": ["controller.mode=cgp-fgd", "controller.fgd_critical=false"],
 }
 DEFAULT_MODES = ("sync", "cgp", "cgp-late", "cgp-fgd")
 # Student's t, 97.5th percentile, by degrees of freedom (1.96 only beyond 30)
@@ -206,6 +208,10 @@ def derive(setting: dict[str, Any]) -> None:
             ng = setting["per_step"]["fgd-no-kvguard"]
             gain = [(ng[k]["r2t"] - fg[k]["r2t"]) / sync[k]["r2t"] for k in steps]
             setting["kv_guard_gain"] = interval(gain)
+        if "fgd-no-critical" in setting["per_step"]:  # what the critical rule buys, paired by step
+            nc = setting["per_step"]["fgd-no-critical"]
+            crit = [(nc[k]["r2t"] - fg[k]["r2t"]) / sync[k]["r2t"] for k in steps]
+            setting["critical_gain"] = interval(crit)
     setting["achievable_cut"] = interval([1 - bound[k]["r2t"] / sync[k]["r2t"] for k in steps])
     setting["wait_bound"] = statistics.fmean(bound[k]["wait"] for k in steps)
     setting["achievable_wait_cut"] = interval(
@@ -349,6 +355,9 @@ def suite_table(settings: list[dict[str, Any]]) -> str:
     guard = any("kv_guard_gain" in s for s in settings)
     if guard:
         head.append("fgd - fgd-no-kvguard (points)")
+    crit = any("critical_gain" in s for s in settings)
+    if crit:
+        head.append("fgd - fgd-no-critical (points)")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in settings:
         m = s["modes"]
@@ -375,6 +384,9 @@ def suite_table(settings: list[dict[str, Any]]) -> str:
             row.append(" / ".join(f"{m[o].get('kv_preemptions', 0):.0f}" for o in modes))
         if guard:
             g = s.get("kv_guard_gain")
+            row.append(f"{g[0] * 100:+.1f} [{g[1] * 100:+.1f}, {g[2] * 100:+.1f}]" if g else "n/a")
+        if crit:
+            g = s.get("critical_gain")
             row.append(f"{g[0] * 100:+.1f} [{g[1] * 100:+.1f}, {g[2] * 100:+.1f}]" if g else "n/a")
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", *(footer(s) for s in settings), "", targets(settings)]
@@ -535,6 +547,17 @@ def select(settings: list[tuple[str, list[str], str]], only: str) -> list[tuple[
     return [s for s in settings if not globs or any(fnmatch.fnmatchcase(s[0], g) for g in globs)]
 
 
+def pick_modes(suite_modes: tuple[str, ...], modes: str) -> tuple[str, ...]:
+    """``--modes``: those comma-separated modes, sync first, instead of the suite's (all, for "")."""
+    if not modes:
+        return suite_modes
+    asked = [m.strip() for m in modes.split(",") if m.strip()]
+    unknown = [m for m in asked if m not in MODE_SPECS]
+    if unknown:
+        raise ConfigError(f"--modes: unknown {unknown} (the modes: {', '.join(MODE_SPECS)})")
+    return ("sync", *dict.fromkeys(m for m in asked if m != "sync"))
+
+
 def run_bench(
     config: str | None,
     out: Path,
@@ -546,17 +569,20 @@ def run_bench(
     suite: str = "",
     scale: float | None = None,
     only: str = "",
+    modes: str = "",
 ) -> tuple[str, str]:
     """Run the benchmark; returns the table and a line saying where the results are.  ``only``: globs
-    (``fnmatch``, comma-separated); a suite's setting runs if its name matches one of them."""
+    (``fnmatch``, comma-separated); a suite's setting runs if its name matches one of them.
+    ``modes``: comma-separated modes of :data:`MODE_SPECS` to run instead of the suite's (sync is
+    always run, first: every figure is paired with it)."""
     extra = list(overrides)
     if steps is not None:
         extra.append(f"controller.steps={steps}")
     if scale is not None:
         extra += [f"rollout.emulated.time_scale={scale}", f"trainer.emulated.time_scale={scale}"]
-    modes: tuple[str, ...] = DEFAULT_MODES
+    run_modes: tuple[str, ...] = DEFAULT_MODES
     if suite:
-        base, settings, modes = load_suite(suite)
+        base, settings, run_modes = load_suite(suite)
         chosen = select(settings, only)
         if not chosen:
             names = ", ".join(n for n, _, _ in settings)
@@ -569,13 +595,14 @@ def run_bench(
     else:
         base = Path(config) if config else DEFAULT_CONFIG
         settings = [("quick", extra, "")]
+    run_modes = pick_modes(run_modes, modes)
     load_config(base, settings[0][1], environ={})  # fail fast on a bad config, before any process starts
     out.mkdir(parents=True, exist_ok=True)
     results = []
-    with session(url, progress=progress, total=len(settings) * len(modes), desc="bench") as s:
+    with session(url, progress=progress, total=len(settings) * len(run_modes), desc="bench") as s:
         for name, over, trainer in settings:
             s.label(name)
-            results.append(run_setting(name, over, base, s.url, out, s, modes, trainer))
+            results.append(run_setting(name, over, base, s.url, out, s, run_modes, trainer))
     wall_s = s.wall_s
     doc = {"suite": suite or "quick", "wall_s": wall_s, "settings": results}
     text = mode_table(results[0]) if len(results) == 1 else suite_table(results)
@@ -705,7 +732,8 @@ register(
     Suite(
         name="paper",
         run=lambda a: run_bench(a.config or None, a.out, a.overrides, steps=a.steps, url=a.url,
-                                progress=a.progress, suite=a.suite, scale=a.scale, only=a.only),
+                                progress=a.progress, suite=a.suite, scale=a.scale, only=a.only,
+                                modes=a.modes),
         config=DEFAULT_CONFIG,
         refuses=frozenset({"quick"}),
         refusal="--quick is for the allocation and broker suites (--suite allocation|broker)",

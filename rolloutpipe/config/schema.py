@@ -321,6 +321,9 @@ class ControllerConfig(_Section):
     # ...except in a step where the engines' reported KV cache could not hold the longest requests
     # that shortest-first leaves for last: then the plan's order (the KV guard; false = always length).
     fgd_kv_guard: bool = True
+    # The critical rule of the length order: groups predicted at least the work left per slot start
+    # first, longest first (false: plain shortest first; the ablation fgd-no-critical).
+    fgd_critical: bool = True
     # Backpressure, a safety valve: no request is released while more than this many groups sit in
     # ``groups`` unacknowledged by the trainer (0 = off; else >= prompts_per_step, docs/operations.md).
     max_trainer_lag_groups: int = 0

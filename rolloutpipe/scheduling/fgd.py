@@ -17,6 +17,9 @@ share to break ties.  Among groups not started:
   end of the rollout, so it is started now (longest-processing-time first, the makespan rule);
 * the others start shortest first, so groups complete early and steadily for the trainer.
 
+``fgd_critical: false`` drops the first rule (plain shortest first; the ablation ``fgd-no-critical``
+of the paper bench, which measures whether the rule earns its place).
+
 Groups without history (the first epoch) keep the plan's order, after those with history.  While
 the window is on, nothing is critical: the pool is held back on purpose and the window is filled
 shortest first.
@@ -88,7 +91,7 @@ class FrontierPolicy(BasePolicy):
     # May the order cross the plan's mini-batches?  Not for a policy that decides per plan
     # mini-batch (it would wait on groups a window never starts).
     REORDERS = True
-    ARGS = ("lookahead", "slack", "window", "length_aware", "kv_guard")
+    ARGS = ("lookahead", "slack", "window", "length_aware", "kv_guard", "critical")
 
     def __init__(self, cfg: ControllerConfig, **args: Any) -> None:
         super().__init__(cfg)
@@ -109,6 +112,7 @@ class FrontierPolicy(BasePolicy):
             )
         self.length_aware = bool(args.get("length_aware", cfg.fgd_length_aware)) and self.REORDERS
         self.kv_guard = bool(args.get("kv_guard", cfg.fgd_kv_guard))
+        self.critical = bool(args.get("critical", cfg.fgd_critical))
         self.window = False
         self.lookahead = self.fixed_lookahead or 0
         self.window_on: dict[int, bool] = {}
@@ -235,7 +239,7 @@ class FrontierPolicy(BasePolicy):
         # critical: a suffix of the ascending ``known``; under the window the step is training-bound
         # and the pool is held back on purpose, so the makespan rule does not apply
         cut = len(known)
-        if not self.window:
+        if self.critical and not self.window:
             while cut > 0 and pred[known[cut - 1].group_id][0] >= per_slot:
                 cut -= 1
         unknown = [g for g in fresh if g.group_id not in pred]

@@ -54,6 +54,16 @@ def test_the_kv_guards_gain_is_the_ablation_less_fgd_over_sync_paired_by_step() 
     assert "kv_guard_gain" not in s  # no ablation run, no figure
 
 
+def test_the_critical_rules_gain_is_the_ablation_less_fgd_over_sync_paired_by_step() -> None:
+    s = setting()
+    s["per_step"]["cgp"] = s["per_step"]["cgp-fgd"]
+    s["per_step"]["fgd-no-critical"] = {1: {"r2t": 7.0, "wait": 0.5}, 2: {"r2t": 9.0, "wait": 0.5}}
+    s["modes"].update({"cgp": {}, "fgd-no-critical": {}})
+    derive(s)
+    assert s["critical_gain"][0] == pytest.approx(0.0)  # (7 - 8) / 10 and (9 - 8) / 10
+    assert s["critical_gain"][1] < 0 < s["critical_gain"][2]
+
+
 def test_the_suite_table_shows_the_kv_guards_gain_where_the_ablation_ran(tmp_path: Path) -> None:
     path = tmp_path / "paper.json"
     shutil.copy(ROOT / "docs/results/paper.json", path)
@@ -170,8 +180,16 @@ def test_the_kv_suite_is_the_paper_suite_with_the_cache_on_for_every_setting() -
     [
         (["bench", "--suite", "paper-kv", "--only", "nothing-*"], "matches no setting of suite 'paper-kv'"),
         (["bench", "--only", "olympiad-*"], "--only selects settings of a suite"),
-        (["bench", "--suite", "broker", "--only", "x"], "--only selects settings of a paper-style suite"),
-        (["bench", "--suite", "allocation", "--only", "x"], "--only selects settings of a paper-style suite"),
+        (["bench", "--suite", "broker", "--only", "x"], "--only and --modes select settings and modes of a"),
+        (
+            ["bench", "--suite", "allocation", "--only", "x"],
+            "--only and --modes select settings and modes of",
+        ),
+        (
+            ["bench", "--suite", "multiplex", "--modes", "cgp"],
+            "--only and --modes select settings and modes of",
+        ),
+        (["bench", "--suite", "paper-kv", "--modes", "cgp,fgd-nope"], "--modes: unknown ['fgd-nope']"),
     ],
 )
 def test_only_refuses_what_it_cannot_select_before_anything_runs(
@@ -234,3 +252,15 @@ def test_the_kv_runs_get_their_suites_models_only_where_the_stored_bounds_agree(
     with pytest.raises(ValueError, match="nothing attached"):
         attach_models(bad)
     assert not any("models" in s for s in bad["settings"])
+
+
+def test_modes_runs_sync_first_and_then_the_modes_asked_once_each() -> None:
+    from rolloutpipe.bench.paper import pick_modes
+
+    suite = ("sync", "cgp", "cgp-fgd")
+    assert pick_modes(suite, "") == suite
+    assert pick_modes(suite, "fgd-no-critical, cgp-fgd,sync,cgp-fgd") == (
+        "sync",
+        "fgd-no-critical",
+        "cgp-fgd",
+    )

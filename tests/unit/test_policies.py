@@ -229,6 +229,18 @@ def test_length_aware_fgd_puts_long_groups_first_when_the_pool_is_small() -> Non
     assert order == ["1:7", "1:6", "1:5", "1:4", "1:3", "1:2", "1:0", "1:1"]
 
 
+def test_fgd_without_its_critical_rule_goes_plain_shortest_first() -> None:
+    """The ablation ``fgd_critical: false`` (and ``policy_args: {critical: false}``): the step above,
+    where groups of 300+ are critical, starts shortest first throughout."""
+    for p in (FrontierPolicy(cfg(fgd_window="off", fgd_critical=False)),
+              FrontierPolicy(cfg(fgd_window="off"), critical=False)):  # fmt: skip
+        view = view_for(p, info())
+        view.capacity = 64
+        with_history(view, {i: 100.0 * (i + 1) for i in range(8)})
+        order = [r.group_id for r in p.admit(view, free=64)]
+        assert order == [f"1:{i}" for i in range(8)]
+
+
 def test_length_aware_fgd_keeps_plan_order_without_history_and_breaks_ties_by_truncation() -> None:
     p = FrontierPolicy(cfg(fgd_window="off"))
     view = view_for(p, info())
