@@ -30,14 +30,14 @@ Adding a suite is one file, ``rolloutpipe/bench/<name>.py``::
     ))
 
 :func:`lookup` imports every module of this package, suites or not (``bound``, the broker suite's
-``broker_ceiling`` and ``broker_report``, and the tools run as ``python -m rolloutpipe.bench.NAME``:
-``admission_oracle``, ``gpu_calibrate``, ``memory_flatness``), so a module here keeps its heavy
-imports (vLLM, torch) inside its functions.  It then asks the suites, lowest ``order`` first,
-whether ``--suite NAME`` is theirs (``selects``; by default: NAME is the suite's name).  The suite
-that takes every name (``paper``, ``order`` last) runs ``rolloutpipe bench`` without ``--suite``.
-A suite that refuses no flag ignores those it does not read (``allocation``: the positional config
-and ``--scale``), as the CLI always did.  The help of ``bench --suite`` and ``--quick`` in
-``cli.py`` names the suites in words: a new suite adds its name there.
+``broker_ceiling`` and ``broker_report``, the paper suite's ``paper_report``, and the tools run as
+``python -m rolloutpipe.bench.NAME``: ``admission_oracle``, ``gpu_calibrate``, ``memory_flatness``),
+so a module here keeps its heavy imports (vLLM, torch) inside its functions. It then asks the
+suites, lowest ``order`` first, whether ``--suite NAME`` is theirs (``selects``; by default: NAME is
+the suite's name). The suite that takes every name (``paper``, ``order`` last) runs ``rolloutpipe
+bench`` without ``--suite``. A suite that refuses no flag ignores those it does not read
+(``allocation``: the positional config and ``--scale``), as the CLI always did. The help of ``bench
+--suite`` and ``--quick`` in ``cli.py`` names the suites in words: a new suite adds its name there.
 """
 
 from __future__ import annotations

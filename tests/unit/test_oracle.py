@@ -9,18 +9,10 @@ import pytest
 from rolloutpipe.bench import admission_oracle
 from rolloutpipe.bench.bound import EngineModel, TrainerModel, r2t_bound
 from rolloutpipe.bench.oracle import oracle, replay, rollout, schedules, sync_model, train_end
+from tests.support.lengths import workload
 
 TR = TrainerModel(tokens_per_s=1000.0, passes=1.0, call_overhead_s=0.01, optimizer_step_s=0.03,
                   groups_per_minibatch=2)  # fmt: skip
-
-
-def workload(seed: int, n: int = 12, g: int = 4, prompt: int = 20) -> list[list[tuple[int, int]]]:
-    r = np.random.default_rng(seed)
-    share = r.uniform(0.2, 0.8)
-    zp = r.standard_normal(n)[:, None]
-    z = np.sqrt(share) * zp + np.sqrt(1 - share) * r.standard_normal((n, g))
-    L = np.clip(np.round(np.exp(np.log(200) + 0.8 * z)), 1, 2000).astype(int)
-    return [[(prompt, int(x)) for x in row] for row in L]
 
 
 def test_one_slot_is_a_sum_by_hand() -> None:

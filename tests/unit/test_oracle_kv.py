@@ -16,7 +16,7 @@ from rolloutpipe.config import EmulatedEngineConfig
 from rolloutpipe.engines import emulated
 from rolloutpipe.engines.emulated import EmulatedEngine
 from tests.support.events import engine_request as req
-from tests.unit.test_oracle import workload
+from tests.support.lengths import workload
 
 
 def kv_model(eng: EngineModel, kv: int, k: float = 0.0, preemption: str = "vllm") -> EngineModel:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from rolloutpipe.bench.paper import derive, mode_table, rederive, suite_table, worker_split
+from rolloutpipe.bench.paper import derive, rederive, worker_split
+from rolloutpipe.bench.paper_report import mode_table, suite_table
 
 ROOT = Path(__file__).resolve().parents[2]
 
