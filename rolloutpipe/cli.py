@@ -89,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
         "--modes",
         default="",
         metavar="LIST",
-        help="paper suites: run only these comma-separated modes (sync always; e.g. cgp-fgd,fgd-no-critical)",
+        help="paper suites: run only these comma-separated modes (sync always; e.g. cgp-fgd,fgd-critical)",
     )
     bench.add_argument("--no-progress", action="store_true")
     bench.add_argument("overrides", nargs="*", help="dotted.key=value")

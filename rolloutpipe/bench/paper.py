@@ -49,8 +49,8 @@ KEYS = ("rollout_to_train_end_s", "trainer_wait_ratio", "first_group_s", "dispat
 # are controls and ablations, so that each mechanism is measured on and off in the same run:
 # cgp-late is FIFO with late assignment (load balancing without FGD's order), fgd-no-length and
 # fgd-no-window are cgp-fgd without one of its two mechanisms, fgd-no-kvguard without the guard that
-# keeps the plan's order where the length order's tail would overflow the KV cache, fgd-no-critical
-# with plain shortest first instead of the critical (long groups first) rule.
+# keeps the plan's order where the length order's tail would overflow the KV cache, fgd-critical
+# with the critical (long groups first) rule in front of shortest first (off by default).
 MODE_SPECS: dict[str, list[str]] = {
     "sync": ["controller.mode=sync"],
     "cgp": ["controller.mode=cgp"],
@@ -59,7 +59,7 @@ MODE_SPECS: dict[str, list[str]] = {
     "fgd-no-length": ["controller.mode=cgp-fgd", "controller.fgd_length_aware=false"],
     "fgd-no-window": ["controller.mode=cgp-fgd", "controller.fgd_window=off"],
     "fgd-no-kvguard": ["controller.mode=cgp-fgd", "controller.fgd_kv_guard=false"],
-    "fgd-no-critical": ["controller.mode=cgp-fgd", "controller.fgd_critical=false"],
+    "fgd-critical": ["controller.mode=cgp-fgd", "controller.fgd_critical=true"],
 }
 DEFAULT_MODES = ("sync", "cgp", "cgp-late", "cgp-fgd")
 # Student's t, 97.5th percentile, by degrees of freedom (1.96 only beyond 30)
@@ -209,10 +209,18 @@ def derive(setting: dict[str, Any]) -> None:
             ng = setting["per_step"]["fgd-no-kvguard"]
             gain = [(ng[k]["r2t"] - fg[k]["r2t"]) / sync[k]["r2t"] for k in steps]
             setting["kv_guard_gain"] = interval(gain)
-        if "fgd-no-critical" in setting["per_step"]:  # what the critical rule buys, paired by step
-            nc = setting["per_step"]["fgd-no-critical"]
-            crit = [(nc[k]["r2t"] - fg[k]["r2t"]) / sync[k]["r2t"] for k in steps]
-            setting["critical_gain"] = interval(crit)
+        # what the critical rule buys, paired by step: fgd-critical against cgp-fgd (the rule off, the
+        # default), or, in runs from when it was on by default, cgp-fgd against fgd-no-critical
+        on, off = (
+            ("fgd-critical", "cgp-fgd")
+            if "fgd-critical" in setting["per_step"]
+            else ("cgp-fgd", "fgd-no-critical")
+        )
+        if off in setting["per_step"] and on in setting["per_step"]:
+            c, nc = setting["per_step"][on], setting["per_step"][off]
+            setting["critical_gain"] = interval(
+                [(nc[k]["r2t"] - c[k]["r2t"]) / sync[k]["r2t"] for k in steps]
+            )
     setting["achievable_cut"] = interval([1 - bound[k]["r2t"] / sync[k]["r2t"] for k in steps])
     setting["wait_bound"] = statistics.fmean(bound[k]["wait"] for k in steps)
     setting["achievable_wait_cut"] = interval(

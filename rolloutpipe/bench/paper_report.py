@@ -96,7 +96,7 @@ def suite_table(settings: list[dict[str, Any]]) -> str:
         head.append("fgd - fgd-no-kvguard (points)")
     crit = any("critical_gain" in s for s in settings)
     if crit:
-        head.append("fgd - fgd-no-critical (points)")
+        head.append("critical rule on - off (points)")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in settings:
         m = s["modes"]

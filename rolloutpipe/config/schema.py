@@ -316,14 +316,15 @@ class ControllerConfig(_Section):
     fgd_window: Literal["auto", "on", "off"] = "auto"
     fgd_lookahead: int | None = Field(default=None, ge=0)
     # FGD orders the groups it starts by their prompts' response lengths in earlier epochs
-    # (critical long groups first, then shortest first); groups without history keep plan order.
+    # (shortest first); groups without history keep plan order.
     fgd_length_aware: bool = True
     # ...except in a step where the engines' reported KV cache could not hold the longest requests
     # that shortest-first leaves for last: then the plan's order (the KV guard; false = always length).
     fgd_kv_guard: bool = True
-    # The critical rule of the length order: groups predicted at least the work left per slot start
-    # first, longest first (false: plain shortest first; the ablation fgd-no-critical).
-    fgd_critical: bool = True
+    # The critical rule, in front of shortest first: groups predicted at least the work left per slot
+    # start first, longest first.  Off: it measured behind plain shortest first (docs/benchmark.md,
+    # "FGD's critical rule, on and off"); the paper bench's mode fgd-critical turns it on.
+    fgd_critical: bool = False
     # Backpressure, a safety valve: no request is released while more than this many groups sit in
     # ``groups`` unacknowledged by the trainer (0 = off; else >= prompts_per_step, docs/operations.md).
     max_trainer_lag_groups: int = 0

@@ -9,16 +9,16 @@ benchmark:
 reasoning RL a prompt's response lengths recur from one epoch to the next.  With a history record
 for a prompt (its last group's mean response length and truncated share, from the feedback path),
 a group's predicted length is that mean (a truncated sample counts at the cap), with the truncated
-share to break ties.  Among groups not started:
+share to break ties.  Groups not started go shortest first, so that groups complete early and
+steadily for the trainer.
 
-* *critical* groups start first, longest first: a group whose predicted length is at least the
-  work still to do per slot (the predicted tokens of every unreleased request, plus half those of
-  every request in flight, divided by the engines' slots) would, started any later, run past the
-  end of the rollout, so it is started now (longest-processing-time first, the makespan rule);
-* the others start shortest first, so groups complete early and steadily for the trainer.
-
-``fgd_critical: false`` drops the first rule (plain shortest first; the ablation ``fgd-no-critical``
-of the paper bench, which measures whether the rule earns its place).
+``fgd_critical: true`` adds a rule in front, off by default because it measured behind plain
+shortest first (docs/benchmark.md, "FGD's critical rule, on and off"): *critical* groups start
+first, longest first: a group whose predicted length is at least the work still to do per slot
+(the predicted tokens of every unreleased request, plus half those of every request in flight,
+divided by the engines' slots) would, started any later, run past the end of the rollout, so it is
+started now (longest-processing-time first, the makespan rule).  The paper bench's mode
+``fgd-critical`` measures it against the default.
 
 Groups without history (the first epoch) keep the plan's order, after those with history.  While
 the window is on, nothing is critical: the pool is held back on purpose and the window is filled

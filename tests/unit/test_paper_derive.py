@@ -65,6 +65,16 @@ def test_the_critical_rules_gain_is_the_ablation_less_fgd_over_sync_paired_by_st
     assert s["critical_gain"][1] < 0 < s["critical_gain"][2]
 
 
+def test_the_critical_rules_gain_is_fgd_critical_against_the_default_once_the_rule_is_off() -> None:
+    """The rule is off by default now: its gain is cgp-fgd (off) less fgd-critical (on), over sync."""
+    s = setting()
+    s["per_step"]["cgp"] = s["per_step"]["cgp-fgd"]  # r2t 8 in both steps
+    s["per_step"]["fgd-critical"] = {1: {"r2t": 9.0, "wait": 0.5}, 2: {"r2t": 10.0, "wait": 0.5}}
+    s["modes"].update({"cgp": {}, "fgd-critical": {}})
+    derive(s)
+    assert s["critical_gain"][0] == pytest.approx(-0.15)  # (8 - 9) / 10 and (8 - 10) / 10: it loses
+
+
 def test_the_suite_table_shows_the_kv_guards_gain_where_the_ablation_ran(tmp_path: Path) -> None:
     path = tmp_path / "paper.json"
     shutil.copy(ROOT / "docs/results/paper.json", path)
@@ -260,8 +270,8 @@ def test_modes_runs_sync_first_and_then_the_modes_asked_once_each() -> None:
 
     suite = ("sync", "cgp", "cgp-fgd")
     assert pick_modes(suite, "") == suite
-    assert pick_modes(suite, "fgd-no-critical, cgp-fgd,sync,cgp-fgd") == (
+    assert pick_modes(suite, "fgd-critical, cgp-fgd,sync,cgp-fgd") == (
         "sync",
-        "fgd-no-critical",
+        "fgd-critical",
         "cgp-fgd",
     )

@@ -156,10 +156,13 @@ def with_history(
     view.history = hist
 
 
-def test_length_aware_fgd_starts_critical_groups_longest_first_then_the_rest_shortest_first() -> None:
-    """8 groups of 4 on 8 slots, every prompt seen before.  Work per slot = sum(mean x 4) / 8 =
-    (100+900+300+200+800+400+150+250) / 2 = 1,550: no group is critical yet, so shortest first."""
-    p = FrontierPolicy(cfg(fgd_window="off"))
+def test_fgd_with_its_critical_rule_starts_critical_groups_longest_first_then_the_rest_shortest_first() -> (
+    None
+):
+    """``fgd_critical: true``.  8 groups of 4 on 8 slots, every prompt seen before.  Work per slot =
+    sum(mean x 4) / 8 = (100+900+300+200+800+400+150+250) / 2 = 1,550: no group is critical yet, so
+    shortest first."""
+    p = FrontierPolicy(cfg(fgd_window="off", fgd_critical=True))
     view = view_for(p, info())
     view.capacity = 8
     with_history(view, {0: 100, 1: 900, 2: 300, 3: 200, 4: 800, 5: 400, 6: 150, 7: 250})
@@ -174,6 +177,8 @@ def test_length_aware_fgd_starts_critical_groups_longest_first_then_the_rest_sho
         view.groups[gid].released = view.groups[gid].completed = 4
     view.groups["1:0"].completed = view.groups["1:6"].completed = 4
     assert [r.group_id for r in p.admit(view, free=8)] == ["1:1", "1:4"]
+    # the default (the rule off) goes shortest first on the same view
+    assert [r.group_id for r in FrontierPolicy(cfg(fgd_window="off")).admit(view, free=8)] == ["1:4", "1:1"]
 
 
 @pytest.mark.parametrize(
@@ -217,11 +222,11 @@ def test_fgd_without_its_kv_guard_keeps_the_length_order_where_the_tail_overflow
         assert [r.group_id for r in p.admit(view, free=8)] == ["1:0", "1:6"]
 
 
-def test_length_aware_fgd_puts_long_groups_first_when_the_pool_is_small() -> None:
-    """1 slot: the work per slot exceeds no group's length only when little is left; with 8 groups
-    of mean 100..800 on 64 slots, work per slot = 4 x 3,600 / 64 = 225: groups of 300+ are
-    critical (longest first), then 100 and 200 shortest first."""
-    p = FrontierPolicy(cfg(fgd_window="off"))
+def test_fgd_with_its_critical_rule_puts_long_groups_first_when_the_pool_is_small() -> None:
+    """``fgd_critical: true``.  1 slot: the work per slot exceeds no group's length only when little
+    is left; with 8 groups of mean 100..800 on 64 slots, work per slot = 4 x 3,600 / 64 = 225:
+    groups of 300+ are critical (longest first), then 100 and 200 shortest first."""
+    p = FrontierPolicy(cfg(fgd_window="off", fgd_critical=True))
     view = view_for(p, info())
     view.capacity = 64
     with_history(view, {i: 100.0 * (i + 1) for i in range(8)})
@@ -230,10 +235,12 @@ def test_length_aware_fgd_puts_long_groups_first_when_the_pool_is_small() -> Non
 
 
 def test_fgd_without_its_critical_rule_goes_plain_shortest_first() -> None:
-    """The ablation ``fgd_critical: false`` (and ``policy_args: {critical: false}``): the step above,
-    where groups of 300+ are critical, starts shortest first throughout."""
-    for p in (FrontierPolicy(cfg(fgd_window="off", fgd_critical=False)),
-              FrontierPolicy(cfg(fgd_window="off"), critical=False)):  # fmt: skip
+    """The default (``fgd_critical: false``; ``policy_args: {critical: false}`` over a config that
+    turns it on): the step above, where groups of 300+ are critical, starts shortest first
+    throughout."""
+    for p in (FrontierPolicy(cfg(fgd_window="off")),
+              FrontierPolicy(cfg(fgd_window="off", fgd_critical=False)),
+              FrontierPolicy(cfg(fgd_window="off", fgd_critical=True), critical=False)):  # fmt: skip
         view = view_for(p, info())
         view.capacity = 64
         with_history(view, {i: 100.0 * (i + 1) for i in range(8)})
@@ -325,9 +332,9 @@ def test_fifo_late_releases_like_fifo_but_without_engine_queues() -> None:
 
 def test_under_the_window_length_aware_fgd_fills_shortest_first() -> None:
     """With the window on, the pool is held back on purpose: no group is critical, and the window's
-    groups are the shortest predicted ones (the same history on 64 slots without the window would
-    start the long groups first, see the test above)."""
-    p = FrontierPolicy(cfg(fgd_window="on", fgd_lookahead=1))
+    groups are the shortest predicted ones, even with the critical rule on (the same history on 64
+    slots without the window would then start the long groups first, see the test above)."""
+    p = FrontierPolicy(cfg(fgd_window="on", fgd_lookahead=1, fgd_critical=True))
     view = view_for(p, info())
     view.capacity = 64
     with_history(view, {i: 100.0 * (8 - i) for i in range(8)})  # group 7 shortest
