@@ -202,25 +202,21 @@ def derive(setting: dict[str, Any]) -> None:
         m["wait_ratio_reduction_vs_sync"] = interval(wred or [0.0])
         m["share_of_cut"] = interval(share or [0.0])
         m["bound_violations"] = sum(1 for k in steps if ms[k]["r2t"] < bound[k]["r2t"] * (1 - 1e-3))
-    if "cgp" in setting["per_step"] and "cgp-fgd" in setting["per_step"]:
-        cg, fg = setting["per_step"]["cgp"], setting["per_step"]["cgp-fgd"]
-        setting["fgd_minus_cgp"] = interval([(cg[k]["r2t"] - fg[k]["r2t"]) / sync[k]["r2t"] for k in steps])
-        if "fgd-no-kvguard" in setting["per_step"]:  # what the KV guard buys, paired by step
-            ng = setting["per_step"]["fgd-no-kvguard"]
-            gain = [(ng[k]["r2t"] - fg[k]["r2t"]) / sync[k]["r2t"] for k in steps]
-            setting["kv_guard_gain"] = interval(gain)
-        # what the critical rule buys, paired by step: fgd-critical against cgp-fgd (the rule off, the
-        # default), or, in runs from when it was on by default, cgp-fgd against fgd-no-critical
-        on, off = (
-            ("fgd-critical", "cgp-fgd")
-            if "fgd-critical" in setting["per_step"]
-            else ("cgp-fgd", "fgd-no-critical")
-        )
-        if off in setting["per_step"] and on in setting["per_step"]:
-            c, nc = setting["per_step"][on], setting["per_step"][off]
-            setting["critical_gain"] = interval(
-                [(nc[k]["r2t"] - c[k]["r2t"]) / sync[k]["r2t"] for k in steps]
-            )
+    ps = setting["per_step"]
+
+    def gain(on: str, off: str) -> tuple[float, float, float]:  # what ``on`` saves over ``off``, paired
+        return interval([(ps[off][k]["r2t"] - ps[on][k]["r2t"]) / sync[k]["r2t"] for k in steps])
+
+    if "cgp" in ps and "cgp-fgd" in ps:
+        setting["fgd_minus_cgp"] = gain("cgp-fgd", "cgp")
+        if "fgd-no-kvguard" in ps:  # what the KV guard buys
+            setting["kv_guard_gain"] = gain("cgp-fgd", "fgd-no-kvguard")
+        # what the critical rule buys: fgd-critical against cgp-fgd (the rule off, the default), or,
+        # in runs from when it was on by default, cgp-fgd against fgd-no-critical
+        if "fgd-critical" in ps:
+            setting["critical_gain"] = gain("fgd-critical", "cgp-fgd")
+        elif "fgd-no-critical" in ps:
+            setting["critical_gain"] = gain("cgp-fgd", "fgd-no-critical")
     setting["achievable_cut"] = interval([1 - bound[k]["r2t"] / sync[k]["r2t"] for k in steps])
     setting["wait_bound"] = statistics.fmean(bound[k]["wait"] for k in steps)
     setting["achievable_wait_cut"] = interval(
