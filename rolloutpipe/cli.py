@@ -83,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
         "--only",
         default="",
         metavar="GLOBS",
-        help="paper suites: run only the settings whose name matches one of these comma-separated globs",
+        help="paper suites: run only the settings whose name matches one of these comma-separated globs; "
+        "allocation suites: the regimes",
     )
     bench.add_argument(
         "--modes",
@@ -368,10 +369,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     other = args.suite and (
         is_broker_suite(args.suite) or args.suite == "multiplex" or is_allocation_suite(args.suite)
     )
-    if (args.only or args.modes) and other:
+    alloc = bool(args.suite) and is_allocation_suite(args.suite)
+    if (args.modes and other) or (args.only and other and not alloc):
         raise ConfigError(
             "--only and --modes select settings and modes of a paper-style suite (--suite paper|paper-kv), "
-            "not " + args.suite
+            "and --only the regimes of an allocation suite, not " + args.suite
         )
     if args.suite and is_broker_suite(args.suite):
         if args.overrides or args.steps is not None or args.scale is not None or args.config:
@@ -407,6 +409,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             url=args.redis_url,
             progress=not args.no_progress,
             quick=args.quick,
+            only=args.only,
         )
         return _report(table, where)
     if args.quick:

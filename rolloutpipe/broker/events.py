@@ -217,6 +217,9 @@ class StepPlan(Event):
     # True: no group will be added or skipped, so the trainer expects exactly ``len(groups)``.
     # False: the trainer learns the step's group count from a ``StepSeal`` on ``groups``.
     sealed: bool = True
+    # The dataset-stream position of the step's first prompt (``StepInfo.first_prompt``); -1: step x
+    # prompts per step (a plan written before the stream was kept).
+    first_prompt: int = -1
     created_at: float
 
     @property

@@ -55,6 +55,8 @@ class Keys:
         self.stats = p + "stats"
         self.done = p + "done"
         self.prompt_history = p + "prompt_history"  # prompt index -> recent PromptRecords (JSON)
+        self.prompt_cursor = p + "prompt_cursor"  # "step:position": where step ``step`` starts in the dataset
+        self.step_rollouts = p + "step_rollouts"  # hash: step -> requests it released (``max_rollouts``)
         self.workers = p + "workers"  # rollout worker ids, scored by their heartbeat's expiry time
         self.sample_shards = p + "sample_shards"  # the run's number of samples streams
         # A shared rollout pool's namespace is that of the pseudo-run ``pool:NAME`` (``PoolKeys``):

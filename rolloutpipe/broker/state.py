@@ -343,6 +343,23 @@ class StepState:
         raw: Any = await self.r.hgetall(self.keys.prompt_history)
         return {int(as_str(k)): json.loads(v) for k, v in (raw or {}).items()}
 
+    async def prompt_cursor(self, step: int) -> int | None:
+        """The dataset-stream position where ``step`` starts, if the last step that ended set it for
+        ``step`` (a policy that draws from the stream, ``Policy.stream``)."""
+        raw = await self.r.get(self.keys.prompt_cursor)
+        if raw is None:
+            return None
+        k, _, pos = as_str(raw).partition(":")
+        return int(pos) if int(k) == step else None
+
+    async def set_prompt_cursor(self, step: int, position: int) -> None:
+        await self.r.set(self.keys.prompt_cursor, f"{step}:{position}")
+
+    async def record_step_rollouts(self, step: int, n: int) -> int:
+        """Step ``step`` released ``n`` requests (idempotent); returns every recorded step's total."""
+        await self.r.hset(self.keys.step_rollouts, str(step), n)
+        return sum(int(v) for v in await self.r.hvals(self.keys.step_rollouts))
+
     async def save_prompt_history(self, records: dict[int, list[tuple[Any, ...]]]) -> None:
         """Each prompt's records, replaced (a prompt's list is as long as its policy keeps)."""
         if records:

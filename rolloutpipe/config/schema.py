@@ -304,6 +304,10 @@ class ControllerConfig(_Section):
     policy: str = "fgd"
     policy_args: dict[str, Any] = Field(default_factory=dict)
     steps: int = 60
+    # Stop before a step once the steps before it released this many rollouts (every request sent,
+    # trained or not); 0: no cap, ``steps`` alone ends the run.  Policies that spend differently
+    # per step then get the same budget (``rolloutpipe bench --suite allocation``).
+    max_rollouts: int = Field(default=0, ge=0)
     prompts_per_step: int = 16
     group_size: int = 16
     minibatches: int = 2

@@ -340,7 +340,9 @@ def run_cluster(
     _write_run_file(out, cfg, "running")
     try:
         cluster.start()
-        while (v := version()) < steps:
+        # the run ends at ``steps`` versions, or earlier when the controller marks it done (its
+        # ``controller.max_rollouts`` was spent)
+        while (v := version()) < steps and not (v > start_v and r.exists(keys.done)):
             if v > last_v:
                 last_v = v
                 since_progress.clear()
@@ -394,7 +396,7 @@ def run_cluster(
             r.set(keys.done, b"1")
         cluster.stop()
         status = "finished" if finished else "aborted"
-        _write_run_file(out, cfg, status, version=steps if finished else last_v)
+        _write_run_file(out, cfg, status, version=max(last_v, version()) if finished else last_v)
         r.close()
     return steps_done(out)
 

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import time
 from dataclasses import astuple
+from typing import Any
 
 import numpy as np
 from redis.exceptions import NoPermissionError, RedisError
@@ -75,6 +76,12 @@ class Controller:
             cfg.task, cfg.task.num_prompts, cfg.task.seed, measure=prompt_measure(cfg)
         )
         self.policy = policy if policy is not None else make_policy(cfg.controller)
+        self.streams = bool(getattr(self.policy, "stream", False))
+        if self.streams and not self.policy.changes_groups:
+            raise PolicyError(
+                f"{self.cc.policy}: a policy that draws from the dataset stream (stream True) must set "
+                "changes_groups: the next step's start is written before the step's seal"
+            )
         self.history: dict[int, list[PromptRecord]] = {}
         self._history_dirty: set[int] = set()  # prompts whose history is not saved yet
         self.stop = asyncio.Event()  # the run's stop event, once ``run`` starts
@@ -101,9 +108,14 @@ class Controller:
         for step in range(start, self.cc.steps):
             if await self.b.wait_version(step, stop) is None:
                 return 0
-            await self.release_step(step, stop)
+            view = await self.release_step(step, stop)
+            spent = await self.b.record_step_rollouts(step, sum(g.released for g in view.groups.values()))
             if await self.b.wait_version(step + 1, stop) is None:
                 return 0
+            if 0 < self.cc.max_rollouts <= spent and step + 1 < self.cc.steps:
+                log.info("%d rollouts released by step %d (max_rollouts %d): done", spent, step,
+                         self.cc.max_rollouts)  # fmt: skip
+                break
         await self.b.mark_done()
         log.info("all %d steps done", self.cc.steps)
         return 0
@@ -184,7 +196,8 @@ class Controller:
         plan = await self.b.plan(step)
         if plan is None:
             await self.drain_feedback(None)  # the last step's groups, into the per-prompt history
-        specs = self.policy.plan(await self.step_info(step))  # also on a restart: per-step state
+        info = await self.step_info(step, plan)
+        specs = self.policy.plan(info)  # also on a restart: per-step state
         if plan is None:
             gpm = self.cc.prompts_per_step // self.cc.minibatches
             plan = StepPlan(
@@ -199,6 +212,7 @@ class Controller:
                 minibatches=self.cc.minibatches,
                 groups_per_minibatch=gpm,
                 sealed=not self.policy.changes_groups,
+                first_prompt=info.first_prompt,
                 created_at=time.time(),
             )
             await self.b.write_plan(plan)
@@ -210,12 +224,23 @@ class Controller:
         await self.drive(step, plan, view, stop)
         return view
 
-    async def step_info(self, step: int) -> StepInfo:
+    async def step_info(self, step: int, plan: StepPlan | None = None) -> StepInfo:
         B = self.cc.prompts_per_step
         prev = await self.b.step_metrics(step - 1)
+        first = step * B
+        if plan is not None and plan.first_prompt >= 0:  # a restart: where the step began
+            first = plan.first_prompt
+        elif self.streams and step > 0:  # where the last step stopped drawing
+            pos = await self.b.prompt_cursor(step)
+            if pos is None:
+                raise PolicyError(
+                    f"{self.cc.policy}: step {step - 1} left no dataset position for step {step} (a run "
+                    "started with a policy that does not draw from the stream?)"
+                )
+            first = pos
         return StepInfo(
             step=step,
-            prompts=[(step * B + g) % len(self.prompts) for g in range(B)],
+            prompts=[(first + g) % len(self.prompts) for g in range(B)],
             group_size=self.cc.group_size,
             minibatches=self.cc.minibatches,
             n_prompts=len(self.prompts),
@@ -223,6 +248,7 @@ class Controller:
             if prev is None
             else PrevStep(prev.step, prev.train_busy_s, prev.rollout_makespan_s, prev.first_group_s),
             history=self.history,
+            first_prompt=first,
         )
 
     def view_of(self, plan: StepPlan) -> StepView:
@@ -241,7 +267,8 @@ class Controller:
             )
             for i, g in enumerate(plan.groups)
         }
-        return StepView(plan.step, plan.minibatches, gpm, groups, history=self.history)
+        first = plan.first_prompt if plan.first_prompt >= 0 else plan.step * self.cc.prompts_per_step
+        return StepView(plan.step, plan.minibatches, gpm, groups, history=self.history, first_prompt=first)
 
     async def restore(self, step: int, view: StepView) -> None:
         """A restarted controller: what was released, and every decision already taken."""
@@ -249,6 +276,8 @@ class Controller:
             g = view.groups.get(gid) or self.add_view(view, a.prompt_index, a.initial, a.final, gid)
             g.target, g.final, g.status, g.counts = a.n, a.final, a.status, list(a.counts)
             g.revision, g.completed, g.rewards, g.lengths = a.revision, a.completed, a.rewards, a.lengths
+            if g.status == "skipped" and g.completed:  # the history of a skip not saved before the restart
+                self.record(step, g.prompt_index, g.rewards, g.lengths, 0, trained=False)
         for rid in await self.b.released_ids(step):
             gid, _, _ = rid.rpartition(":")
             if gid in view.groups:
@@ -289,6 +318,8 @@ class Controller:
                 releases = self.policy.admit(view, max(cap, 1) - view.inflight)
                 await self.release(step, plan, view, releases)
             if all(g.status != "open" and not g.unreleased for g in view.groups.values()):
+                if self.streams:  # before the seal: the trainer cannot end the step before it
+                    await self.b.set_prompt_cursor(step + 1, self.policy.next_prompt(view))
                 if not sealed:
                     await self.seal(step, view)
                     sealed = True
@@ -320,22 +351,31 @@ class Controller:
 
     def remember(self, ev: GroupStats) -> None:
         """An emitted group into its prompt's history (only as much as the policy reads)."""
+        self.record(ev.step, ev.prompt_index, ev.rewards, ev.lengths, ev.truncated, trained=True)
+
+    def record(
+        self, step: int, prompt: int, rewards: Any, lengths: Any, truncated: int, *, trained: bool
+    ) -> None:
+        """A finished group into its prompt's history: trained (emitted) or skipped with the samples
+        it had (a pilot, a flat group), so a policy can tell a prompt seen from a prompt trained."""
         keep = self.policy.history
         if keep <= 0:
             return
-        r = np.asarray(ev.rewards, dtype=np.float64)
+        r = np.asarray(rewards, dtype=np.float64)
+        n = len(r)
         rec = PromptRecord(
-            step=ev.step,
-            n=ev.n,
-            reward_mean=float(r.mean()) if len(r) else 0.0,
-            reward_std=float(r.std()) if len(r) else 0.0,
-            pass_rate=float((r > 0).mean()) if len(r) else 0.0,
-            mean_length=float(np.mean(ev.lengths)) if len(ev.lengths) else 0.0,
-            truncated_frac=ev.truncated / max(1, ev.n),
+            step=step,
+            n=n,
+            reward_mean=float(r.mean()) if n else 0.0,
+            reward_std=float(r.std()) if n else 0.0,
+            pass_rate=float((r > 0).mean()) if n else 0.0,
+            mean_length=float(np.mean(lengths)) if len(lengths) else 0.0,
+            truncated_frac=truncated / max(1, n),
+            trained=trained,
         )
-        recs = [x for x in self.history.get(ev.prompt_index, []) if x.step != ev.step]
-        self.history[ev.prompt_index] = [*recs, rec][-keep:]
-        self._history_dirty.add(ev.prompt_index)
+        recs = [x for x in self.history.get(prompt, []) if x.step != step]
+        self.history[prompt] = [*recs, rec][-keep:]
+        self._history_dirty.add(prompt)
 
     async def drain_feedback(self, view: StepView | None) -> None:
         """Take the feedback that is there without waiting: first any entry read before but not
@@ -399,6 +439,8 @@ class Controller:
                 if not self.policy.changes_groups:
                     raise PolicyError(f"{self.cc.policy}: Skip from a policy with changes_groups False")
                 g.final, g.status = True, "skipped"
+                if g.completed:  # what the skipped group showed, for the policy's next look at it
+                    self.record(view.step, g.prompt_index, g.rewards, g.lengths, g.truncated, trained=False)
             await self.allocate(view, g, getattr(d, "reason", ""))
 
     def add_view(
@@ -406,7 +448,7 @@ class Controller:
     ) -> GroupView:
         i = len(view.groups)
         if prompt_index is None:  # the dataset's next prompts after the step's own
-            prompt_index = (view.step * self.cc.prompts_per_step + i) % len(self.prompts)
+            prompt_index = (view.first_prompt + i) % len(self.prompts)
         g = GroupView(
             group_id=group_id or f"{view.step}:{i}",
             prompt_index=prompt_index,

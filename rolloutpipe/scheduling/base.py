@@ -40,6 +40,7 @@ class PromptRecord:
     pass_rate: float  # share of rewards > 0
     mean_length: float
     truncated_frac: float
+    trained: bool = True  # False: the group was skipped (a pilot, a flat group): seen, not trained
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,18 @@ class StepInfo:
     n_prompts: int  # prompts in the dataset
     prev: PrevStep | None
     history: Mapping[int, Sequence[PromptRecord]]
+    # The dataset is a stream of prompts (position p is prompt p mod n_prompts); this step starts
+    # at ``first_prompt``.  A policy with ``stream`` set may draw beyond the step's B; the next step
+    # starts where it stopped (``Policy.next_prompt``).  Otherwise every step starts at step x B.
+    first_prompt: int = -1
+
+    def __post_init__(self) -> None:
+        if self.first_prompt < 0:
+            object.__setattr__(self, "first_prompt", self.step * len(self.prompts))
+
+    def at(self, position: int) -> int:
+        """The prompt at stream ``position``."""
+        return position % self.n_prompts
 
 
 @dataclass(frozen=True)
@@ -133,6 +146,7 @@ class StepView:
     inflight: int = 0  # requests released and not yet finished
     emitted: int = 0  # groups sent to the trainer so far
     history: Mapping[int, Sequence[PromptRecord]] = field(default_factory=dict)
+    first_prompt: int = 0  # the stream position the step started at (``StepInfo.first_prompt``)
 
 
 @dataclass(frozen=True)
@@ -202,12 +216,17 @@ class Policy(Protocol):
     # Records kept per prompt for the policy to read (``StepInfo.history``): 0 keeps none.  The
     # history is bounded by the dataset (prompts x this), in the controller and in Redis.
     history: int
+    # True when the policy draws prompts from the dataset's stream beyond the step's own (candidate
+    # pools, refills): the next step then starts at ``next_prompt(view)``, not at (step + 1) x B.
+    stream: bool
 
     def plan(self, info: StepInfo) -> list[GroupSpec]: ...
 
     def admit(self, view: StepView, free: int) -> list[Release]: ...
 
     def on_stats(self, view: StepView, group: GroupView) -> list[Decision]: ...
+
+    def next_prompt(self, view: StepView) -> int: ...
 
 
 class BasePolicy:
@@ -216,6 +235,7 @@ class BasePolicy:
     engine_queue = True
     changes_groups = False
     history = 0
+    stream = False
 
     def __init__(self, cfg: ControllerConfig, **args: Any) -> None:
         if args:
@@ -230,6 +250,11 @@ class BasePolicy:
 
     def on_stats(self, view: StepView, group: GroupView) -> list[Decision]:
         return [Finalize(group.group_id)] if group.waiting else []
+
+    def next_prompt(self, view: StepView) -> int:
+        """The stream position after the step (read only when ``stream``): one past its last group,
+        every group drawn in order (``AddGroup`` without a prompt takes the next position)."""
+        return view.first_prompt + len(view.groups)
 
 
 def in_order(view: StepView) -> list[GroupView]:

@@ -24,6 +24,10 @@ Parameters (``controller.policy_args``):
   the step trains what it has (fewer groups).  2 x B matches verl's recipe, which generates up to
   3 x the train batch in one round; 0 turns refills off.
 
+Refills and over-sampled groups are the dataset stream's next prompts (``StepInfo.first_prompt``),
+as verl's recipe draws further generation batches from its data loader: the next step starts after
+the last one drawn, so no prompt is drawn twice an epoch.
+
 Admission is FGD's (``fgd.py``): frontier groups first, refills after the plan's groups.
 """
 
@@ -56,6 +60,7 @@ def has_signal(g: GroupView) -> bool:
 class DynamicSamplingPolicy(FrontierPolicy):
     REORDERS = False  # decides per plan mini-batch: keeps the plan's order
     changes_groups = True
+    stream = True  # refills are the dataset's next prompts; the next step starts after them
     OWN = ("oversample", "max_refills")
 
     def __init__(self, cfg: ControllerConfig, **args: Any) -> None:

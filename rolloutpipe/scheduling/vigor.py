@@ -1,31 +1,39 @@
-"""VIGOR: a few rollouts for every prompt, then extra rollouts to the highest-variance groups.
+"""VIGOR: a few rollouts for every prompt of the step, then extra rollouts to the step's
+highest-variance groups until the step's budget is spent.
 
 Source: *VarIance Guided Online Rollout allocation* (VIGOR; the abstract in the project's seeds):
-begin with a small number of rollouts for every prompt, then iteratively give additional rollouts
-to the groups with the highest reward variance until a fixed total budget is spent.  Under RLVR the
-group reward variance controls the gradient magnitude, so extra samples go where they move the
-policy most.
+begin with a small number of rollouts for all examples in a batch, then iteratively allocate
+additional rollouts to those with the highest group reward variance until a fixed total rollout
+budget is reached.  Under RLVR the group reward variance controls the gradient magnitude, so extra
+samples go where they move the policy most.  The paper's code is not available here; this file
+follows the abstract, point by point:
 
-Streamed inside one step, on its weights, mini-batch by mini-batch:
+* **n0 for every prompt**: every group of the step starts with ``n0`` samples and is not final;
+* **the whole step's budget**: ``budget`` samples per prompt on average (default G), i.e. the step
+  spends B x budget, what ``fixed`` spends, pooled over the *whole step* (not per mini-batch);
+* **rounds over the whole step**: once every open group's current round is complete, the top
+  ``top_frac`` of the open groups with variance > 0 (highest first, ties in plan order) get
+  ``round`` more samples each, while the budget allows and no group passes ``cap``;
+* **final groups go at once**: a group is final as soon as its count cannot change: its complete
+  rewards have no variance (it is never ranked: a zero-variance group is never the highest), it
+  reached ``cap``, or the budget cannot pay for another round.  So it goes to the trainer without
+  waiting for other groups' rounds; only groups still in the running wait for the round.
 
-* every group starts with ``n0`` samples and is not final;
-* the budget is ``budget`` samples per prompt on average (default G, GRPO's cost), counted per
-  mini-batch of the plan, so no group waits for groups of a later mini-batch (the frontier first);
-* once every group of a mini-batch has its current round complete, the top ``top_frac`` of its
-  groups by reward variance (those with variance > 0, ties in plan order) get ``round`` more
-  samples each, while the mini-batch's budget allows; the others wait for the next round;
-* when no group has variance left, or the budget cannot pay for another round, the mini-batch's
-  counts are final.
+Rounds are decided on complete rounds only, so response length never decides who gets more.  The
+budget left when no group has variance is not spent (the abstract spends it on the highest
+variance, and there is none).  Admission is FGD's (``fgd.py``): frontier groups first.
 
-Rounds are decided on complete rounds only, so response length never decides who gets more.
-Admission is FGD's (``fgd.py``): frontier groups first.
+With ``trainer.loss_agg: token-mean`` a group with more samples also weighs more in the loss;
+``group-mean-token-mean`` weighs each group as one prompt, so extra samples reduce its noise
+instead (docs/grpo.md, "Groups of unequal size").  The allocation suite says which it runs.
 
 Parameters (``controller.policy_args``), with the reason for each default (the abstract gives none):
 ``n0`` (G/4, at least 2: the smallest group with a variance, and the 4x spread between the smallest
 and the average group that makes an allocation worth it), ``budget`` (G: the same rollouts as
 GRPO), ``round`` (n0: each round doubles a chosen pilot), ``top_frac`` (0.5: half the groups with
-signal per round, so several rounds refine the estimate); FGD's ``lookahead``, ``slack`` and
-``window``, ``length_aware`` and ``kv_guard`` as in ``fgd.py``.
+signal per round, so several rounds refine the estimate), ``cap`` (4 x G: one prompt may take at
+most a quarter of a 16-prompt step's budget, so no round feeds one prompt alone); FGD's
+``lookahead``, ``slack`` and ``window`` as in ``fgd.py``.
 """
 
 from __future__ import annotations
@@ -55,8 +63,8 @@ def reward_variance(g: GroupView) -> float:
 
 
 class VigorPolicy(FrontierPolicy):
-    REORDERS = False  # decides per plan mini-batch: keeps the plan's order
-    OWN = ("n0", "budget", "round", "top_frac")
+    REORDERS = False  # rounds rank in plan order on ties: keeps the plan's order
+    OWN = ("n0", "budget", "round", "top_frac", "cap")
 
     def __init__(self, cfg: ControllerConfig, **args: Any) -> None:
         super().__init__(cfg, **args)
@@ -66,26 +74,33 @@ class VigorPolicy(FrontierPolicy):
         self.budget = float(own.get("budget", G))
         self.round = int(own.get("round", self.n0))
         self.top_frac = float(own.get("top_frac", 0.5))
-        if not (1 <= self.n0 <= self.budget and self.round >= 1 and 0 < self.top_frac <= 1):
-            raise ConfigError("vigor: need 1 <= n0 <= budget, round >= 1 and 0 < top_frac <= 1")
+        self.cap = int(own.get("cap", 4 * G))
+        if not (1 <= self.n0 <= self.budget and self.round >= 1 and 0 < self.top_frac <= 1
+                and self.cap >= self.n0):  # fmt: skip
+            raise ConfigError("vigor: need 1 <= n0 <= budget, round >= 1, 0 < top_frac <= 1 and cap >= n0")
 
     def plan(self, info: StepInfo) -> list[GroupSpec]:
         self.window = self.use_window(info)
         return [GroupSpec(p, self.n0, final=False) for p in info.prompts]
 
     def on_stats(self, view: StepView, group: GroupView) -> list[Decision]:
-        members = [g for g in view.groups.values() if g.minibatch == group.minibatch]
-        open_ = [g for g in members if g.status == "open"]
-        if not open_ or any(g.completed < g.target for g in open_):
-            return []  # the mini-batch's round is not complete yet
-        left = math.floor(len(members) * self.budget) - sum(g.target for g in members)
+        out: list[Decision] = []
+        if group.waiting and (reward_variance(group) == 0 or group.target + self.round > self.cap):
+            why = "no reward variance" if reward_variance(group) == 0 else f"at the cap ({self.cap})"
+            out.append(Finalize(group.group_id, why))  # it can never get more: to the trainer now
+        groups = list(view.groups.values())
+        open_ = [g for g in groups if g.status == "open" and not (out and g is group)]
+        if not open_ or any(not g.waiting for g in open_):
+            return out  # the step's round is not complete yet
+        left = math.floor(len(groups) * self.budget) - sum(g.target for g in groups)
         ranked = sorted(
-            (g for g in open_ if reward_variance(g) > 0), key=lambda g: (-reward_variance(g), g.order)
+            (g for g in open_ if reward_variance(g) > 0 and g.target + self.round <= self.cap),
+            key=lambda g: (-reward_variance(g), g.order),
         )
         k = math.ceil(len(ranked) * self.top_frac)
         chosen = ranked[: min(k, max(0, left) // self.round)]
         if chosen:
-            return [Extend(g.group_id, self.round, final=False, reason=f"variance {reward_variance(g):.3f}")
-                    for g in chosen]  # fmt: skip
+            return out + [Extend(g.group_id, self.round, final=False,
+                                 reason=f"variance {reward_variance(g):.3f}") for g in chosen]  # fmt: skip
         why = "budget spent" if ranked else "no reward variance left"
-        return [Finalize(g.group_id, why) for g in open_]
+        return out + [Finalize(g.group_id, why) for g in open_]

@@ -16,30 +16,48 @@ from rolloutpipe.bench.allocation import run_allocation
 from rolloutpipe.broker.embedded import EmbeddedRedis
 
 pytestmark = pytest.mark.slow
-KEYS = ("rollouts_to_target_mean", "rollouts_to_target_per_seed", "wall_s_to_target_mean",
-        "final_eval_reward_mean", "eval_reward_at_budget_mean", "rollout_to_train_end_s_median")  # fmt: skip
+KEYS = ("rollouts_to_target_mean", "rollouts_to_target_per_seed", "ratio_vs_fixed", "ratio_vs_fixed_per_seed",
+        "optimizer_steps_to_target_per_seed", "eval_reward_at_equal_rollouts_mean",
+        "eval_reward_at_equal_optimizer_steps_mean", "per_optimizer_step_vs_fixed", "final_eval_reward_mean",
+        "rollout_to_train_end_s_median")  # fmt: skip
 
 
 def test_allocation_bench_quick(tmp_path: Path, redis_server: EmbeddedRedis) -> None:
     text, _ = run_allocation("allocation", tmp_path, [], url=redis_server.url, progress=False, quick=True)
     doc = json.loads((tmp_path / "results.json").read_text())
-    assert set(doc["policies"]) == {"fixed", "dynamic-sampling", "vigor", "pilot-commit"}
+    assert set(doc["regimes"]) == {"t1.0", "t0.4"} and doc["seeds"] == [0]
     assert (tmp_path / "allocation.png").stat().st_size > 10_000
-    assert doc["seeds"] == [0] and doc["steps"] == 6
-    for name, row in doc["policies"].items():
-        for key in KEYS:
-            assert key in row, (name, key)
-        assert name in text
-        rows = [json.loads(x) for x in (tmp_path / name / "seed0" / "metrics.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in rows] == list(range(6))
-        released = sum(r["samples"] + r["samples_wasted"] for r in rows)
-        assert row["total_rollouts_per_seed"] == [released]
-        curve = row["curves"][0]
-        assert [p[0] for p in curve] == [0] + [sum(r["samples"] + r["samples_wasted"] for r in rows[: k + 1])
-                                               for k in (1, 3, 5)]  # fmt: skip
-        assert curve[0][1] == doc["base_eval_reward"]["0"]  # every policy starts from the same base model
-        assert all(r["eval_reward"] is not None for r in rows[1::2])
-    fixed = doc["policies"]["fixed"]
-    assert fixed["rollouts_per_step_mean"] == 16 * 16 and fixed["groups_skipped_per_step_mean"] == 0
-    pc = doc["policies"]["pilot-commit"]
-    assert pc["rollouts_per_step_mean"] <= 16 * 16  # a skipped prompt costs its pilot only
+    flat = json.loads((tmp_path / "flat_share.json").read_text())
+    # the policy-free statistic: a colder sampler solves more prompts always or never
+    assert flat["t0.4"]["flat_share"] > flat["t1.0"]["flat_share"]
+    for rname, reg in doc["regimes"].items():
+        assert reg["flat_share"] == flat[rname]
+        assert set(reg["policies"]) == {"fixed", "dynamic-sampling", "vigor", "pilot-commit"}
+        cal = reg["calibration"]["curve"]
+        assert reg["calibration"]["seed"] == 100 and len(cal) == 4  # the base and 3 evaluations
+        plateau = sum(p[1] for p in cal[-3:]) / 3
+        assert abs(reg["target"] - (cal[0][1] + 0.75 * (plateau - cal[0][1]))) < 1e-9
+        for name, row in reg["policies"].items():
+            for key in KEYS:
+                assert key in row, (rname, name, key)
+            assert name in text
+            rows = [
+                json.loads(x)
+                for x in (tmp_path / rname / name / "seed0" / "metrics.jsonl").read_text().splitlines()
+            ]
+            assert [r["step"] for r in rows] == list(range(6))
+            released = sum(r["samples"] + r["samples_wasted"] for r in rows)
+            assert row["total_rollouts_per_seed"] == [released]
+            assert row["total_optimizer_steps_per_seed"] == [sum(len(r["minibatches"]) for r in rows)]
+            curve = row["curves"][0]
+            spent = [sum(r["samples"] + r["samples_wasted"] for r in rows[: k + 1]) for k in (1, 3, 5)]
+            assert [p[0] for p in curve] == [0, *spent]
+            assert curve[0][1] == reg["base_eval_reward"]  # every policy starts from the same base model
+            assert all(r["eval_reward"] is not None for r in rows[1::2])
+        fixed = reg["policies"]["fixed"]
+        assert fixed["rollouts_per_step_mean"] == 16 * 16 and fixed["groups_skipped_per_step_mean"] == 0
+        assert fixed["optimizer_steps_per_step_mean"] == 4
+        # Pilot-Commit as published fills the batch: 16 committed groups, 4 optimizer steps a step
+        pc = reg["policies"]["pilot-commit"]
+        assert pc["groups_trained_per_step_mean"] == 16 and pc["optimizer_steps_per_step_mean"] == 4
+        assert reg["policies"]["vigor"]["optimizer_steps_per_step_mean"] == 4

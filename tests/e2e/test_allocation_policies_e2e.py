@@ -71,19 +71,25 @@ def test_vigor_on_the_tiny_model(tmp_path: Path, run_name: str, redis_url: str, 
 def test_pilot_commit_on_the_tiny_model(
     tmp_path: Path, run_name: str, redis_url: str, model_cache: str, sr: redis.Redis
 ) -> None:
-    ms, trained = run(tmp_path, run_name, redis_url, model_cache, "pilot-commit", {"n_pilot": 4})
+    args = {"n_pilot": 4, "pool": 1.5, "max_rounds": 3}
+    ms, trained = run(tmp_path, run_name, redis_url, model_cache, "pilot-commit", args)
     k = Keys(run_name)
+    first = 0
     for m in ms:
         gs = [g for g in trained if g.step == m.step]
-        for g in gs:  # committed: the pilot had signal, and the group has pilot + commit
-            assert g.allocation.counts == [4, 8]
-            pilot = [s.reward for s in g.samples[:4]]
-            assert max(pilot) > min(pilot)
+        for g in gs:  # committed: the pilot's pass rate in the window, and the group has pilot + commit
+            assert g.allocation.counts == [4, G]
+            assert 0.125 <= np.mean([s.reward > 0 for s in g.samples[:4]]) <= 0.75
         plan = DEFAULT_CODEC.decode_as(sr.get(k.plan(m.step)), StepPlan)
-        assert m.groups + m.groups_skipped == len(plan.groups) == B
-        # a skipped group's pilot is never trained, a committed group trains all it generated
-        assert m.samples_wasted == 4 * m.groups_skipped
-        assert m.samples == 8 * m.groups and np.isfinite(m.first_group_s) and m.rollout_to_train_end_s > 0
+        assert len(plan.groups) == 12 and plan.first_prompt == first  # the stream goes on where it stopped
+        candidates = m.groups + m.groups_skipped
+        assert candidates % 12 == 0 and candidates <= 36
+        # the batch is full, or every pool of the cap was drawn
+        assert m.groups == B or (m.groups < B and candidates == 36)
+        assert len(m.minibatches) == (MB if m.groups == B else len(m.minibatches))
+        assert m.samples == G * m.groups and m.samples_wasted <= 4 * m.groups_skipped
+        assert np.isfinite(m.first_group_s) and m.rollout_to_train_end_s > 0
+        first += candidates
     assert sum(m.groups_skipped for m in ms) > 0  # the untrained model's pilots are often all wrong
 
 

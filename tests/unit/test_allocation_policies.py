@@ -8,6 +8,7 @@ test depends on which group reports first.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from rolloutpipe.config import ControllerConfig
+from rolloutpipe.errors import PolicyError
 from rolloutpipe.scheduling import make_policy
 from rolloutpipe.scheduling.base import (
     AddGroup,
@@ -68,12 +70,12 @@ class Sim:
             g.rewards = np.asarray([self.rewards(g.prompt_index, i) for i in range(g.target)], np.float32)
             decisions = self.p.on_stats(self.view, g)
             ext = {d.group_id for d in decisions if isinstance(d, Extend)}
-            if ext:
-                mb = self.view.groups[next(iter(ext))].minibatch
-                peers = [x for x in self.view.groups.values() if x.minibatch == mb and x.status == "open"]
+            if ext:  # the round's ranking: the extended groups against every open group left out
+                room, cap = getattr(self.p, "round", 1), getattr(self.p, "cap", 1 << 30)
+                peers = [x for x in self.view.groups.values() if x.status == "open"]
                 self.rounds.append(
                     ([reward_variance(x) for x in peers if x.group_id in ext],
-                     [reward_variance(x) for x in peers if x.group_id not in ext])
+                     [reward_variance(x) for x in peers if x.group_id not in ext and x.target + room <= cap])
                 )  # fmt: skip
             for d in decisions:
                 self.apply(d)
@@ -84,8 +86,8 @@ class Sim:
     def apply(self, d: Decision) -> None:
         self.log.append(d)
         if isinstance(d, AddGroup):
-            assert d.prompt_index is None
-            self.add(1000 + len(self.view.groups), d.n, d.final, added=True)
+            prompt = 1000 + len(self.view.groups) if d.prompt_index is None else d.prompt_index
+            self.add(prompt, d.n, d.final, added=True)
             return
         g = self.view.groups[d.group_id]
         assert g.status == "open", (d, g.status)
@@ -136,96 +138,188 @@ def test_vigor_first_extras_go_to_the_highest_variance_groups() -> None:
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_vigor_never_exceeds_its_budget_and_ranks_by_variance(seed: int) -> None:
+def test_vigor_never_exceeds_the_steps_budget_or_its_cap_and_ranks_by_variance(seed: int) -> None:
     rng = random.Random(seed)
     b, g, mb = rng.choice([(8, 8, 1), (8, 8, 2), (16, 16, 4), (6, 4, 3)])
     budget = rng.choice([g, g * 0.75, g * 1.5])
     n0 = rng.choice([2, max(2, g // 4)])
-    pol = make_policy(cfg("vigor", b, g, mb, n0=n0, budget=budget, round=rng.choice([1, 2, n0]),
+    rnd = rng.choice([1, 2, n0])
+    cap = rng.choice([n0 + rnd, 2 * g, 4 * g])
+    pol = make_policy(cfg("vigor", b, g, mb, n0=n0, budget=budget, round=rnd, cap=cap,
                           top_frac=rng.choice([0.25, 0.5, 1.0])))  # fmt: skip
     rates = {p: rng.choice([0.0, 0.1, 0.5, 0.9, 1.0]) for p in range(b)}
     sim = Sim(pol, b, g, mb, bernoulli(rates, seed), seed)
     view = sim.run()
-    gpm = b // mb
-    for j in range(mb):
-        members = [x for x in view.groups.values() if x.minibatch == j]
-        assert sum(x.target for x in members) <= max(gpm * n0, int(gpm * budget)), (
-            j,
-            [x.target for x in members],
-        )
+    # the budget is the whole step's, not a mini-batch's
+    assert sum(x.target for x in view.groups.values()) <= max(b * n0, int(b * budget))
+    assert all(x.target <= max(n0, cap) for x in view.groups.values())
     # every round's extras went to groups whose variance, when chosen, was at least that of every
-    # open group of the mini-batch left out of that round, and never to a group without variance
+    # open group of the step left out of that round (below its cap), never to a group without variance
     for chosen, left_out in sim.rounds:
         assert min(chosen) > 0 and min(chosen) >= max(left_out, default=0.0), (chosen, left_out)
     assert all(x.status == "final" for x in view.groups.values())
 
 
-def test_vigor_groups_of_one_minibatch_never_wait_for_a_later_one() -> None:
-    """Rounds are per mini-batch: mini-batch 0 becomes final while mini-batch 1 has not reported."""
+def test_vigor_moves_a_flat_minibatchs_budget_to_the_rest_of_the_step() -> None:
+    """Mini-batch 1 never passes: its budget goes to mini-batch 0's groups (the whole step's pool)."""
+    rates = {0: 0.5, 1: 0.5, 2: 0.0, 3: 0.0}
+    pol = make_policy(cfg("vigor", 4, 8, 2, n0=2, round=2, top_frac=1.0, cap=32))
+    view = Sim(pol, 4, 8, 2, bernoulli(rates, seed=1)).run()
+    flat = [view.groups["0:2"], view.groups["0:3"]]
+    assert [g.target for g in flat] == [2, 2]
+    total = sum(g.target for g in view.groups.values())
+    varied = [view.groups["0:0"], view.groups["0:1"]]
+    if all(reward_variance(g) > 0 for g in varied):  # both kept their variance to the end
+        assert total == 4 * 8  # the step's whole budget was spent, 28 of it on mini-batch 0
+    assert sum(g.target for g in varied) > 2 * 8  # more than mini-batch 0's own share
+
+
+def test_vigor_a_final_group_goes_at_once_and_a_round_waits_for_the_step() -> None:
+    """A group without variance is final on its own report, before any other group reports; a round's
+    extras wait until every open group of the step has its round complete."""
     pol = make_policy(cfg("vigor", 4, 8, 2, n0=2, round=2))
     sim = Sim(pol, 4, 8, 2, bernoulli({0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5}, seed=1))
-    g0, g1 = sim.view.groups["0:0"], sim.view.groups["0:1"]
-    rounds = 0
-    while any(g.status == "open" for g in (g0, g1)) and rounds < 50:  # only mini-batch 0 reports
-        for g in (g0, g1):
-            if g.status == "open" and g.completed < g.target:
-                g.completed = g.target
-                g.rewards = np.asarray([sim.rewards(g.prompt_index, i) for i in range(g.target)], np.float32)
-                for d in pol.on_stats(sim.view, g):
-                    sim.apply(d)
-        rounds += 1
-    assert g0.status == g1.status == "final"
-    assert sim.view.groups["0:2"].completed == 0  # mini-batch 1 never reported
+
+    def report(g: GroupView, rewards: list[float]) -> list[Decision]:
+        g.completed, g.rewards = g.target, np.asarray(rewards, np.float32)
+        out = pol.on_stats(sim.view, g)
+        for d in out:
+            sim.apply(d)
+        return out
+
+    gs = [sim.view.groups[f"0:{i}"] for i in range(4)]
+    assert [type(d) for d in report(gs[3], [1.0, 1.0])] == [Finalize]  # flat: final at once
+    assert gs[3].status == "final" and all(g.completed == 0 for g in gs[:3])
+    assert report(gs[0], [1.0, 0.0]) == [] and report(gs[1], [0.0, 1.0]) == []  # gs[2] still out
+    last = report(gs[2], [1.0, 0.0])
+    assert {d.group_id for d in last if isinstance(d, Extend)} == {"0:0", "0:1"}  # top half of three
 
 
 # ------------------------------------------------------------------------------------ Pilot-Commit
 
 
-def test_pilot_commit_skips_exactly_the_pilots_without_signal() -> None:
-    rates = {0: 0.0, 1: 1.0, 2: 0.5, 3: 0.5, 4: 0.0, 5: 0.5, 6: 1.0, 7: 0.5}
-    rewards = bernoulli(rates, seed=7)
-    pol = make_policy(cfg("pilot-commit", n_pilot=4))
-    view = Sim(pol, 8, 8, 1, rewards).run()
-    for g in view.groups.values():
-        pilot = [rewards(g.prompt_index, i) for i in range(4)]
-        flat = min(pilot) == max(pilot)
-        if flat:
-            assert g.status == "skipped" and g.target == 4, g
-        else:
-            assert g.status == "final" and g.target == 8 and g.counts == [4, 8], g
-    assert any(g.status == "skipped" for g in view.groups.values())
-    assert any(g.status == "final" for g in view.groups.values())
+def pc(b: int = 8, g: int = 16, mb: int = 2, **args: object) -> Policy:
+    return make_policy(cfg("pilot-commit", b, g, mb, **args))
 
 
-@pytest.mark.parametrize("commit_frac", [1.0, 0.5])
-def test_pilot_commit_groups_of_one_minibatch_never_wait_for_a_later_ones_pilot(commit_frac: float) -> None:
-    """Mini-batch 0's groups are decided (committed or skipped) while mini-batch 1's pilots have not
-    reported at all: a frontier group never waits on a pilot of a later group."""
-    rates = {0: 0.5, 1: 0.0, 2: 0.5, 3: 1.0}
-    pol = make_policy(cfg("pilot-commit", 8, 8, 2, n_pilot=4, commit_frac=commit_frac))
-    sim = Sim(pol, 8, 8, 2, bernoulli(rates, seed=3))
+def test_pilot_commit_defaults_are_the_published_code_s() -> None:
+    pol = pc(16, 16, 4)
+    plan = pol.plan(StepInfo(step=0, prompts=list(range(16)), group_size=16, minibatches=4, n_prompts=1000,
+                             prev=None, history={}))  # fmt: skip
+    assert len(plan) == 48 and {(s.n, s.final) for s in plan} == {(4, False)}  # 3 x B pilots of G/4
+    assert [s.prompt_index for s in plan] == list(range(48))  # drawn in order from the stream
+    assert (pol.lo, pol.hi, pol.evict, pol.max_rounds) == (0.125, 0.75, 1.0, 10)
+
+
+def test_pilot_commit_window_defers_below_evicts_solved_commits_between() -> None:
+    # pilots of 4: pass rate 0 defers, 0.25-0.75 commits, 1.0 evicts
+    scripted = {0: [0, 0, 0, 0], 1: [1, 0, 0, 0], 2: [1, 1, 0, 0], 3: [1, 1, 1, 0], 4: [1, 1, 1, 1]}
+    pol = pc(5, 16, 1, pool=1, max_rounds=1)
+    view = Sim(pol, 5, 16, 1, lambda p, i: float(scripted[p][i]) if i < 4 else 1.0).run()
+    status = {g.prompt_index: (g.status, g.counts) for g in view.groups.values()}
+    assert status == {0: ("skipped", [4]), 1: ("final", [4, 16]), 2: ("final", [4, 16]),
+                      3: ("final", [4, 16]), 4: ("skipped", [4])}  # fmt: skip
+    reasons = {d.group_id: d.reason for d in sim_log(pol, 5, scripted) if isinstance(d, Skip)}
+    assert "deferred" in reasons["0:0"] and "evicted" in reasons["0:4"]
+
+
+def sim_log(pol: Policy, b: int, scripted: dict[int, list[int]]) -> list[Decision]:
+    sim = Sim(pol, b, 16, 1, lambda p, i: float(scripted[p][i]) if i < 4 else 1.0)
+    sim.run()
+    return sim.log
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_pilot_commit_fills_the_batch_with_the_first_commits_in_plan_order(seed: int) -> None:
+    """Whatever order pilots complete in, the step trains the first B in-window candidates in plan
+    order, refilling pools until it has B or reaches the cap; nothing past the B-th commit trains."""
+    rng = random.Random(seed)
+    b, pool, rounds = rng.choice([(8, 1.0, 10), (8, 2.0, 2), (4, 1.5, 3), (8, 1.0, 1)])
+    rates = {p: rng.choice([0.0, 0.0, 0.1, 0.5, 1.0]) for p in range(2000)}
+    rewards = bernoulli(rates, seed)
+    pol = pc(b, 16, 2, pool=pool, max_rounds=rounds)
+    view = Sim(pol, b, 16, 2, rewards, seed=seed).run()
+    groups = sorted(view.groups.values(), key=lambda g: g.order)
+    per_round = math.ceil(b * pool)
+    assert len(groups) % per_round == 0 and len(groups) // per_round <= rounds
+    pilot_rate = {g.group_id: np.mean([rewards(g.prompt_index, i) > 0 for i in range(4)]) for g in groups}
+    in_window = [g.group_id for g in groups if 0.125 <= pilot_rate[g.group_id] <= 0.75]
+    committed = [g.group_id for g in groups if g.status == "final"]
+    assert committed == in_window[:b]
+    assert all(g.counts == [4, 16] for g in groups if g.status == "final")
+    assert all(g.status == "skipped" for g in groups if g.group_id not in committed)
+    if len(committed) < b:  # short only when every round of the cap was drawn
+        assert len(groups) == per_round * rounds
+    else:  # no pool drawn beyond the one that filled the batch
+        assert len(groups) // per_round == math.ceil(
+            (groups.index(view.groups[committed[-1]]) + 1) / per_round
+        )
+    assert [g.prompt_index for g in groups] == list(range(len(groups)))  # the stream, in order
+    assert pol.next_prompt(view) == len(groups)
+
+
+def test_pilot_commit_evicted_prompts_are_passed_over_by_the_stream() -> None:
+    from rolloutpipe.scheduling.base import PromptRecord
+
+    solved = PromptRecord(step=0, n=4, reward_mean=1, reward_std=0, pass_rate=1.0, mean_length=3,
+                          truncated_frac=0, trained=False)  # fmt: skip
+    later = PromptRecord(step=1, n=4, reward_mean=1, reward_std=0, pass_rate=1.0, mean_length=3,
+                         truncated_frac=0, trained=False)  # fmt: skip
+    history = {2: [solved], 5: [solved], 7: [later]}  # 7's record is of the step being planned
+    pol = pc(4, 16, 1, pool=1)
+    info = StepInfo(step=1, prompts=[0, 1, 2, 3], group_size=16, minibatches=1, n_prompts=10, prev=None,
+                    history=history, first_prompt=0)  # fmt: skip
+    assert [s.prompt_index for s in pol.plan(info)] == [0, 1, 3, 4]
+    view = StepView(1, 1, 4, {}, first_prompt=0)
+    for i, p in enumerate([0, 1, 3, 4]):
+        view.groups[f"1:{i}"] = GroupView(f"1:{i}", p, i, 0, 4, 4, False)
+    assert pol.next_prompt(view) == 6 and pol.prompt_at(4) == 6 and pol.prompt_at(5) == 7
+    # the stream wraps: 10 prompts, 2 and 5 evicted
+    assert [pol.prompt_at(j) for j in range(6, 11)] == [8, 9, 0, 1, 3]
+    every = {p: [solved] for p in range(10)}
+    with pytest.raises(PolicyError, match="evicted"):
+        pc(4, 16, 1).plan(StepInfo(step=1, prompts=[0, 1, 2, 3], group_size=16, minibatches=1, n_prompts=10,
+                                   prev=None, history=every))  # fmt: skip
+
+
+def test_pilot_commit_a_candidate_never_waits_on_a_later_ones_pilot() -> None:
+    """Mini-batch 0's candidates are decided while later pilots have not reported at all."""
+    pol = pc(8, 8, 2, n_pilot=4, pool=1.5)
+    sim = Sim(pol, 8, 8, 2, bernoulli({p: 0.5 for p in range(12)}, seed=3))
     first = [sim.view.groups[f"0:{i}"] for i in range(4)]
-    for g in first:  # only mini-batch 0 reports its pilots
-        g.completed = g.target
-        g.rewards = np.asarray([sim.rewards(g.prompt_index, i) for i in range(g.target)], np.float32)
+    for g, r in zip(first, ([1, 0, 1, 0], [0, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]), strict=True):
+        g.completed, g.rewards = g.target, np.asarray(r, np.float32)
         for d in pol.on_stats(sim.view, g):
             sim.apply(d)
-    assert all(g.status in ("final", "skipped") for g in first), [g.status for g in first]
-    assert any(g.status == "final" for g in first) and any(g.status == "skipped" for g in first)
+    assert [g.status for g in first] == ["final", "skipped", "final", "skipped"]
     assert all(sim.view.groups[f"0:{i}"].completed == 0 for i in range(4, 8))
+    # two of twelve lost: the ten left could still fill it, so no pool is drawn yet...
+    assert len(sim.view.groups) == 12
+    for i, r in zip(range(4, 7), ([0, 0, 0, 0],) * 3, strict=True):  # ...until they cannot
+        g = sim.view.groups[f"0:{i}"]
+        g.completed, g.rewards = g.target, np.asarray(r, np.float32)
+        for d in pol.on_stats(sim.view, g):
+            sim.apply(d)
+    assert len(sim.view.groups) == 24 and all(g.added for g in list(sim.view.groups.values())[12:])
 
 
 @pytest.mark.parametrize("policy", ["pilot-commit", "vigor"])
 def test_extra_rollouts_of_frontier_groups_are_admitted_before_later_pilots(policy: str) -> None:
     """Once a frontier group is extended, free slots go to its extras before any pilot of a group of
     a later mini-batch, whatever the plan order of the released groups."""
-    pol = make_policy(cfg(policy, 8, 8, 2, **({"n_pilot": 4} if policy == "pilot-commit" else {"n0": 4})))
+    own = {"n_pilot": 4, "pool": 1} if policy == "pilot-commit" else {"n0": 4, "top_frac": 1.0}
+    pol = make_policy(cfg(policy, 8, 8, 2, **own))
     sim = Sim(pol, 8, 8, 2, bernoulli({p: 0.5 for p in range(8)}, seed=11))
     first = pol.admit(sim.view, 16)
     assert {r.group_id for r in first} == {"0:0", "0:1", "0:2", "0:3"}  # the frontier's pilots first
     for r in first:
         sim.view.groups[r.group_id].released += r.n
-    for g in [sim.view.groups[f"0:{i}"] for i in range(4)]:
+    if policy == "vigor":  # a round is the whole step's: every pilot reports before any extra
+        later = pol.admit(sim.view, 16)
+        for r in later:
+            sim.view.groups[r.group_id].released += r.n
+        first += later
+    for g in [sim.view.groups[r.group_id] for r in first]:
         g.completed = g.target
         g.rewards = np.asarray([1.0, 0.0, 1.0, 0.0], np.float32)  # signal everywhere
         for d in pol.on_stats(sim.view, g):
@@ -235,25 +329,6 @@ def test_extra_rollouts_of_frontier_groups_are_admitted_before_later_pilots(poli
     out = pol.admit(sim.view, 4)
     assert out and all(sim.view.groups[r.group_id].minibatch == 0 for r in out), out
     assert sum(r.n for r in out) == 4
-
-
-def test_pilot_commit_pass_rate_band_and_commit_share() -> None:
-    rates = {p: 0.5 for p in range(8)}
-    rewards = bernoulli(rates, seed=11)
-    # a band that excludes every pilot: everything skipped
-    pol = make_policy(cfg("pilot-commit", n_pilot=4, min_pass_rate=0.9))
-    assert all(g.status == "skipped" for g in Sim(pol, 8, 8, 1, rewards).run().groups.values())
-    # only half the mini-batch may commit: the highest pilot variances, the rest skipped
-    pol = make_policy(cfg("pilot-commit", 8, 8, 2, n_pilot=4, commit_frac=0.5))
-    view = Sim(pol, 8, 8, 2, rewards).run()
-    for j in range(2):
-        members = [g for g in view.groups.values() if g.minibatch == j]
-        committed = [g for g in members if g.status == "final"]
-        assert len(committed) <= 2
-        pilots = {g.group_id: np.var([rewards(g.prompt_index, i) for i in range(4)], ddof=1) for g in members}
-        for g in members:
-            if g.status == "skipped":
-                assert all(pilots[g.group_id] <= pilots[c.group_id] for c in committed)
 
 
 # -------------------------------------------------------------------------------- dynamic sampling

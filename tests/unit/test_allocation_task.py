@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rolloutpipe.bench.allocation import Point, at_budget, curve, first_reach, summarise
+from rolloutpipe.bench.allocation import Point, at, crossing, curve, summarise, target_by_rule
 from rolloutpipe.broker.events import StepMetrics
 from rolloutpipe.config import load_config
 from rolloutpipe.errors import ConfigError
@@ -56,7 +56,14 @@ def test_eval_split_needs_a_dataset_that_has_one() -> None:
 
 
 def _m(
-    step: int, samples: int, wasted: int, ev: float | None, start: float, end: float, eval_s: float
+    step: int,
+    samples: int,
+    wasted: int,
+    ev: float | None,
+    start: float,
+    end: float,
+    eval_s: float,
+    mbs: int = 4,
 ) -> StepMetrics:
     return StepMetrics(
         run="r", step=step, policy_version=step, mode="m", rollout_to_train_end_s=end - start,
@@ -64,30 +71,52 @@ def _m(
         fence_rejections=0, dead_letters=0, train_busy_s=0.0, rollout_makespan_s=0.0,
         last_minibatch_train_s=0.0, dispatch_latency_p50_s=0.0, dispatch_latency_p99_s=0.0,
         samples_wasted=wasted, step_start=start, train_end=end, eval_reward=ev, eval_s=eval_s,
+        minibatches=[[f"{step}:{i}"] for i in range(mbs)],
     )  # fmt: skip
 
 
-def test_curve_counts_wasted_rollouts_and_leaves_out_eval_time() -> None:
+def test_curve_counts_wasted_rollouts_optimizer_steps_and_leaves_out_eval_time() -> None:
     ms = [
-        _m(0, 100, 28, None, start=10.0, end=11.0, eval_s=0.0),
-        _m(1, 64, 0, 0.30, start=11.0, end=12.0, eval_s=0.5),  # evaluated after step 1's training
-        _m(2, 80, 16, None, start=12.5, end=13.5, eval_s=0.0),
-        _m(3, 96, 32, 0.55, start=13.5, end=15.0, eval_s=0.5),
+        _m(0, 100, 28, None, start=10.0, end=11.0, eval_s=0.0, mbs=4),
+        _m(1, 64, 0, 0.30, start=11.0, end=12.0, eval_s=0.5, mbs=3),  # evaluated after step 1's training
+        _m(2, 80, 16, None, start=12.5, end=13.5, eval_s=0.0, mbs=4),
+        _m(3, 96, 32, 0.55, start=13.5, end=15.0, eval_s=0.5, mbs=4),
     ]
     pts = curve(ms, base_eval=0.2)
     # rollouts: 128, 192, 288, 416; wall: 12-10 = 2.0, then 15-10 minus the 0.5 s of step 1's eval
-    assert pts == [Point(-1, 0, 0.2, 0.0), Point(1, 192, 0.30, 2.0), Point(3, 416, 0.55, 4.5)]
-    assert first_reach(pts, 0.5) == Point(3, 416, 0.55, 4.5)
-    assert first_reach(pts, 0.2) == pts[0]
-    assert first_reach(pts, 0.6) is None
-    assert at_budget(pts, 96) == pytest.approx(0.2 + 0.5 * 0.1)  # halfway from 0 to 192 rollouts
-    assert at_budget(pts, 304) == pytest.approx(0.30 + (112 / 224) * 0.25)
-    assert at_budget(pts, 10_000) == 0.55
+    assert pts == [Point(-1, 0, 0.2, 0.0, 0), Point(1, 192, 0.30, 2.0, 7), Point(3, 416, 0.55, 4.5, 15)]
+    # the crossing, linear between the evaluations around it: 0.5 is 0.2/0.25 of the way from 0.30
+    assert crossing(pts, 0.5) == pytest.approx(192 + 0.8 * 224)
+    assert crossing(pts, 0.5, "opt_steps") == pytest.approx(7 + 0.8 * 8)
+    assert crossing(pts, 0.2) == 0.0
+    assert crossing(pts, 0.6) is None
+    assert at(pts, 96) == pytest.approx(0.2 + 0.5 * 0.1)  # halfway from 0 to 192 rollouts
+    assert at(pts, 304) == pytest.approx(0.30 + (112 / 224) * 0.25)
+    assert at(pts, 10_000) == 0.55
+    assert at(pts, 11, "opt_steps") == pytest.approx(0.30 + 0.5 * 0.25)
+    # a non-monotone curve: the first crossing counts, not a later one
+    wiggly = [
+        Point(-1, 0, 0.2, 0.0),
+        Point(0, 100, 0.6, 1.0),
+        Point(1, 200, 0.4, 2.0),
+        Point(2, 300, 0.7, 3.0),
+    ]
+    assert crossing(wiggly, 0.5) == pytest.approx(75.0)
+
+
+def test_target_rule_is_a_share_of_the_calibration_runs_gain() -> None:
+    pts = [Point(-1, 0, 0.2, 0.0)] + [
+        Point(i, 100 * i, e, 0.0) for i, e in enumerate([0.3, 0.5, 0.6, 0.6, 0.3 + 0.6])
+    ]
+    # plateau: mean of the last 3 (0.6, 0.6, 0.9) = 0.7; 0.2 + 0.75 x 0.5
+    assert target_by_rule(pts, {"gain": 0.75, "last": 3}) == pytest.approx(0.575)
 
 
 def test_summary_ratios_are_paired_by_seed() -> None:
     def run(points: list[tuple[int, float]]) -> dict[str, object]:
-        pts = [Point(-1, 0, 0.1, 0.0)] + [Point(i, r, e, float(i)) for i, (r, e) in enumerate(points)]
+        pts = [Point(-1, 0, 0.1, 0.0)] + [
+            Point(i, r, e, float(i), 4 * (i + 1)) for i, (r, e) in enumerate(points)
+        ]
         return {
             "curve": pts,
             "metrics": [_m(0, 10, 2, None, 0.0, 1.0, 0.0), _m(1, 10, 0, None, 1.0, 2.0, 0.0)],
@@ -101,17 +130,24 @@ def test_summary_ratios_are_paired_by_seed() -> None:
     doc = summarise(runs, target=0.5)
     p = doc["policies"]
     assert doc["budget_rollouts"] == 150  # the smallest total of any run
-    assert p["fixed"]["rollouts_to_target_per_seed"] == [200, 400]
-    assert p["fixed"]["rollouts_to_target_mean"] == 300
-    assert p["pilot"]["fewer_rollouts_than_fixed_per_seed"] == [4.0, 4.0]  # 200/50, 400/100
-    assert p["pilot"]["fewer_rollouts_than_fixed_mean"] == 4.0  # not 300 / 75 = 4 by luck: see never
+    # fixed crosses 0.5 two thirds of the way from 0.3 to 0.6: 100 + 2/3 x 100, 100 + 2/3 x 300
+    assert p["fixed"]["rollouts_to_target_per_seed"] == pytest.approx([100 + 200 / 3, 300])
+    # the pilot crosses between the base (0.1 at 0) and 0.6: 0.8 of the way
+    assert p["pilot"]["rollouts_to_target_per_seed"] == pytest.approx([40, 80])
+    assert p["pilot"]["ratio_vs_fixed_per_seed"] == pytest.approx([(500 / 3) / 40, 300 / 80])
+    assert p["pilot"]["ratio_vs_fixed"] == pytest.approx(((500 / 3) / 40 + 300 / 80) / 2)
+    assert p["pilot"]["ratio_vs_fixed_ci95"] is not None
     assert p["never"]["reached"] == 1
     assert p["never"]["rollouts_to_target_mean"] is None  # a seed that never got there is not averaged away
-    assert p["never"]["fewer_rollouts_than_fixed_mean"] is None
-    assert p["never"]["fewer_rollouts_than_fixed_per_seed"] == [4.0]
+    assert p["never"]["ratio_vs_fixed"] is None
+    assert len(p["never"]["ratio_vs_fixed_per_seed"]) == 1
     assert p["fixed"]["rollouts_per_step_mean"] == 11.0  # (10 + 2 + 10 + 0) / 2 per run
+    assert p["fixed"]["optimizer_steps_per_step_mean"] == 4.0
     # at 150 rollouts: 0.3 + (50/100) x 0.3, and 0.3 + (50/300) x 0.3
-    assert p["fixed"]["eval_reward_at_budget_per_seed"] == pytest.approx([0.45, 0.35])
+    assert p["fixed"]["eval_reward_at_equal_rollouts_per_seed"] == pytest.approx([0.45, 0.35])
+    # every run ends at 8 optimizer steps: the same reward as the last point, so the pilot is ahead
+    assert p["pilot"]["per_optimizer_step_vs_fixed"] == pytest.approx(0.1)
+    assert p["fixed"]["per_optimizer_step_vs_fixed"] == 0.0
 
 
 def test_warm_start_makes_a_base_model_that_solves_some_held_out_prompts(tmp_path: object) -> None:

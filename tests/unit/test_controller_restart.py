@@ -33,7 +33,7 @@ async def test_controller_killed_between_pilot_and_commit_commits_once(
 ) -> None:
     cfg = make_config(
         tmp_path, run_name, *EMULATED_FAST,
-        "controller.policy=pilot-commit", 'controller.policy_args={"n_pilot": 2}',
+        "controller.policy=pilot-commit", 'controller.policy_args={"n_pilot": 2, "pool": 1}',
         "controller.prompts_per_step=2", "controller.minibatches=1", "controller.group_size=4",
         "controller.fgd_slack=8",  # no workers here: let the pilots out at once
     )  # fmt: skip

@@ -192,8 +192,9 @@ def test_the_kv_suite_is_the_paper_suite_with_the_cache_on_for_every_setting() -
         (["bench", "--suite", "paper-kv", "--only", "nothing-*"], "matches no setting of suite 'paper-kv'"),
         (["bench", "--only", "olympiad-*"], "--only selects settings of a suite"),
         (["bench", "--suite", "broker", "--only", "x"], "--only and --modes select settings and modes of a"),
+        (["bench", "--suite", "allocation", "--only", "x"], "--only 'x' matches no regime of"),
         (
-            ["bench", "--suite", "allocation", "--only", "x"],
+            ["bench", "--suite", "allocation", "--modes", "cgp"],
             "--only and --modes select settings and modes of",
         ),
         (
