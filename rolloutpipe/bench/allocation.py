@@ -351,6 +351,21 @@ def run_allocation(
     flat = {r: flat_share(cals[r]) for r in regimes}
     (out / "flat_share.json").write_text(json.dumps(flat, indent=2))
     doc_regimes: dict[str, Any] = {}
+
+    def finish(done: dict[str, Any]) -> dict[str, Any]:
+        cfg0 = jobs[0][3]
+        return {
+            "suite": "allocation" + (" --quick" if quick else ""),
+            "task": cfg0.task.dataset.rpartition(":")[2],
+            "seeds": seeds,
+            "max_rollouts": cfg0.controller.max_rollouts,
+            "loss_agg": cfg0.trainer.loss_agg,
+            "target_rule": rule,
+            "eval_every": cfg0.eval.every,
+            "eval_samples": cfg0.eval.num_prompts * cfg0.eval.samples_per_prompt,
+            "regimes": done,
+        }
+
     with session(url, progress=progress, total=len(jobs) + len(cals), desc="allocation") as s:
         for r in regimes:
             # 2. the target: a fixed-only run on a seed outside the comparison, and the rule
@@ -376,19 +391,9 @@ def run_allocation(
                 "calibration": {"seed": cal_seed, "curve": [[p.rollouts, p.eval_reward] for p in cal_curve]},
                 **summarise(runs, target),
             }
-    cfg0 = jobs[0][3]
-    doc: dict[str, Any] = {
-        "suite": "allocation" + (" --quick" if quick else ""),
-        "task": cfg0.task.dataset.rpartition(":")[2],
-        "seeds": seeds,
-        "max_rollouts": cfg0.controller.max_rollouts,
-        "loss_agg": cfg0.trainer.loss_agg,
-        "target_rule": rule,
-        "eval_every": cfg0.eval.every,
-        "eval_samples": cfg0.eval.num_prompts * cfg0.eval.samples_per_prompt,
-        "regimes": doc_regimes,
-        "wall_s": s.wall_s,
-    }
+            write_results(out, finish(doc_regimes), table(finish(doc_regimes)))  # a regime at a time
+    doc = finish(doc_regimes)
+    doc["wall_s"] = s.wall_s
     text = table(doc)
     write_results(out, doc, text)
     png = plot(doc, out / "allocation.png")
