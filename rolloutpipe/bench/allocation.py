@@ -186,6 +186,13 @@ def summarise(runs: dict[str, dict[int, dict[str, Any]]], target: float) -> dict
                                       fixed["eval_reward_at_equal_optimizer_steps_per_seed"], strict=True)]  # type: ignore[index]  # fmt: skip
         row["per_optimizer_step_vs_fixed"] = _mean(diff)  # held-out reward, minus fixed's, same steps
         row["per_optimizer_step_vs_fixed_ci95"] = _ci(diff)
+    for row in out.values():  # every pair, paired by seed: the other's rollouts to target over this one's
+        row["ratio_vs"] = {}
+        for other, o in out.items():
+            pairs = zip(o["rollouts_to_target_per_seed"], row["rollouts_to_target_per_seed"], strict=True)
+            rs = [b / p for b, p in pairs if b and p]
+            row["ratio_vs"][other] = {"mean": _mean(rs) if len(rs) == len(row["seeds"]) else None,
+                                      "ci95": _ci(rs), "per_seed": rs}  # fmt: skip
     return {
         "budget_rollouts": budget,
         "budget_optimizer_steps": opt_budget,

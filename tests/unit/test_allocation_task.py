@@ -148,6 +148,10 @@ def test_summary_ratios_are_paired_by_seed() -> None:
     # every run ends at 8 optimizer steps: the same reward as the last point, so the pilot is ahead
     assert p["pilot"]["per_optimizer_step_vs_fixed"] == pytest.approx(0.1)
     assert p["fixed"]["per_optimizer_step_vs_fixed"] == 0.0
+    # every pair, by seed: never over the pilot, on the one seed never reached (80 / 80)
+    assert p["pilot"]["ratio_vs"]["fixed"]["per_seed"] == p["pilot"]["ratio_vs_fixed_per_seed"]
+    assert p["pilot"]["ratio_vs"]["never"]["per_seed"] == pytest.approx([1.0])
+    assert p["pilot"]["ratio_vs"]["never"]["mean"] is None  # one seed of two: no mean
 
 
 def test_warm_start_makes_a_base_model_that_solves_some_held_out_prompts(tmp_path: object) -> None:
