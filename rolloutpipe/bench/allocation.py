@@ -246,7 +246,43 @@ def table(doc: dict[str, Any]) -> str:
                 f"{_fmt(r['groups_skipped_per_step_mean'], '.1f')} |"
             )
         lines.append("")
+    lines += ["Targets:", "", *(f"* {t}" for t in targets(doc))]
     return "\n".join(lines).rstrip()
+
+
+def targets(doc: dict[str, Any], ceiling: float = 2.0, want: float = 1.5, over_ds: float = 2.0) -> list[str]:
+    """The issue's targets, checked on a results doc: one line each, met or missed and by how much."""
+    out: list[str] = []
+    regs = doc["regimes"]
+    for rname, reg in regs.items():
+        if reg["flat_share"]["ceiling"] < ceiling:
+            continue
+        pol = reg["policies"]
+        for name in ("vigor", "pilot-commit"):
+            r = pol.get(name, {}).get("ratio_vs_fixed")
+            if r is not None:
+                out.append(f"{rname}: {name} {r:.2f}x fewer rollouts than fixed (target >= {want}): "
+                           + ("met" if r >= want else f"missed by {want - r:.2f}"))  # fmt: skip
+        pc = pol.get("pilot-commit", {}).get("ratio_vs", {}).get("dynamic-sampling", {}).get("mean")
+        if pc is not None:
+            out.append(f"{rname}: pilot-commit {pc:.2f}x fewer than dynamic sampling (target >= {over_ds}): "
+                       + ("met" if pc >= over_ds else f"missed by {over_ds - pc:.2f}"))  # fmt: skip
+    order = sorted(regs, key=lambda n: regs[n]["flat_share"]["flat_share"])
+    for name in next(iter(regs.values()))["policies"] if regs else []:
+        if name == "fixed" or len(order) < 2:
+            continue
+        rs = [regs[n]["policies"][name].get("ratio_vs_fixed") for n in order]
+        shown = ", ".join(f"{n} {_fmt(r, '.2f')}" for n, r in zip(order, rs, strict=True))
+        rising = all(a is not None and b is not None and b > a for a, b in itertools.pairwise(rs))
+        out.append(f"{name}: ratio by flat share ({shown}): " + ("rises" if rising else "does not rise"))
+    for rname, reg in regs.items():
+        for name, r in reg["policies"].items():
+            ci = r.get("per_optimizer_step_vs_fixed_ci95")
+            if ci and ci[1] < 0:
+                d = r["per_optimizer_step_vs_fixed"]
+                out.append(f"{rname}: {name} is worse per optimizer step than fixed beyond its interval "
+                           f"({d:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}])")  # fmt: skip
+    return out
 
 
 def plot(doc: dict[str, Any], path: Path) -> Path:

@@ -34,11 +34,13 @@ complete group goes to the trainer as CGP does.  So the step spends *more* than 
 pool plus B commits: about 1.5x at a pool of 3 with every pilot sent) for a batch full of signal,
 as the code does.
 
-Differences from the code, by design: the pool is piloted and committed inside one step on one
-policy version (the code pilots a generation batch, then generates the commits with the same
-weights, so this is the same on-policy step, streamed); rounds are pools drawn as soon as the batch
-is known to need them, not after a whole generation round; deferral is by the stream (a deferred
-prompt returns one epoch later) rather than a separate queue.
+Differences from the code (databricks/pilot-commit at 6def20e), by design: this project is strictly
+on-policy, so a committed pilot is never kept for a later step (the code's buffer trains pilots up
+to 4 steps old, ``buffer_max_off_steps``); commits are the first B in plan order, not drawn at
+random or by pilot std from a buffer; a pool is drawn as soon as the batch is known to need it;
+at the cap the step trains what it committed (the code stops with an error).  The window's
+defaults are the training scripts' ([0.125, 0.75]; the yaml's default is [0.25, 0.75]).  Full
+comparison: docs/allocation.md, "The policies, point by point".
 """
 
 from __future__ import annotations

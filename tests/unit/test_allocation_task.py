@@ -199,3 +199,28 @@ def test_tail_shows_skipped_wasted_and_held_out_reward() -> None:
     )
     assert "skipped 2 wasted 32 held-out 0.550" in with_eval
     assert "held-out" not in " ".join(_details(_m(2, 96, 0, None, 0.0, 1.0, 0.0)))
+
+
+def test_targets_say_met_or_missed_and_by_how_much() -> None:
+    from rolloutpipe.bench.allocation import targets
+
+    def pol(
+        r: float | None, ds: float | None = None, step_ci: list[float] | None = None
+    ) -> dict[str, object]:
+        return {"ratio_vs_fixed": r, "ratio_vs": {"dynamic-sampling": {"mean": ds}},
+                "per_optimizer_step_vs_fixed": -0.05, "per_optimizer_step_vs_fixed_ci95": step_ci}  # fmt: skip
+
+    def reg(flat: float, vigor: float, pc: float, pc_ds: float) -> dict[str, object]:
+        return {"flat_share": {"flat_share": flat, "ceiling": 1 / (1 - flat)},
+                "policies": {"fixed": pol(1.0), "vigor": pol(vigor, step_ci=[-0.1, -0.01]),
+                             "pilot-commit": pol(pc, pc_ds)}}  # fmt: skip
+
+    doc = {"regimes": {"hot": reg(0.2, 0.7, 0.9, 0.9), "cold": reg(0.7, 1.6, 1.3, 2.5)}}
+    lines = targets(doc)
+    assert "cold: vigor 1.60x fewer rollouts than fixed (target >= 1.5): met" in lines
+    assert "cold: pilot-commit 1.30x fewer rollouts than fixed (target >= 1.5): missed by 0.20" in lines
+    assert "cold: pilot-commit 2.50x fewer than dynamic sampling (target >= 2.0): met" in lines
+    assert not any(x.startswith("hot: vigor 0.70") for x in lines)  # a ceiling below 2x: no target
+    assert "vigor: ratio by flat share (hot 0.70, cold 1.60): rises" in lines
+    assert any("hot: vigor is worse per optimizer step" in x for x in lines)
+    assert not any("pilot-commit is worse" in x for x in lines)
