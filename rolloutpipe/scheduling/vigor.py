@@ -32,8 +32,10 @@ Parameters (``controller.policy_args``), with the reason for each default (the a
 and the average group that makes an allocation worth it), ``budget`` (G: the same rollouts as
 GRPO), ``round`` (n0: each round doubles a chosen pilot), ``top_frac`` (0.5: half the groups with
 signal per round, so several rounds refine the estimate), ``cap`` (4 x G: one prompt may take at
-most a quarter of a 16-prompt step's budget, so no round feeds one prompt alone); FGD's
-``lookahead``, ``slack`` and ``window`` as in ``fgd.py``.
+most a quarter of a 16-prompt step's budget, so no round feeds one prompt alone); FGD's ``slack``
+as in ``fgd.py``.  FGD's window is always off: a round waits for every group of the step, so a
+window that held later groups back would leave the frontier's groups waiting for groups it never
+starts.
 """
 
 from __future__ import annotations
@@ -78,6 +80,15 @@ class VigorPolicy(FrontierPolicy):
         if not (1 <= self.n0 <= self.budget and self.round >= 1 and 0 < self.top_frac <= 1
                 and self.cap >= self.n0):  # fmt: skip
             raise ConfigError("vigor: need 1 <= n0 <= budget, round >= 1, 0 < top_frac <= 1 and cap >= n0")
+        if self.window_mode == "on":
+            raise ConfigError(
+                "vigor: a round waits for every group of the step, so FGD's window cannot be on"
+            )
+
+    def use_window(self, info: StepInfo) -> bool:
+        # A round is the whole step's: it waits for every group's round to complete, so holding later
+        # groups back (the window) would leave the frontier's groups waiting for groups never started.
+        return False
 
     def plan(self, info: StepInfo) -> list[GroupSpec]:
         self.window = self.use_window(info)

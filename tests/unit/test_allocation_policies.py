@@ -371,3 +371,26 @@ def test_dynamic_sampling_oversample_keeps_the_first_groups_with_signal_in_plan_
         )
         assert kept == want, (seed, kept)
         assert len(view.groups) == 12
+
+
+def test_vigor_never_turns_the_window_on_a_round_waits_for_the_whole_step() -> None:
+    """With FGD's window on, groups past the lookahead never start, and a whole-step round would
+    wait for them forever (found in the allocation suite: a run stuck at step 39)."""
+    from rolloutpipe.errors import ConfigError
+    from rolloutpipe.scheduling.base import PrevStep
+
+    pol = make_policy(cfg("vigor", 16, 16, 4))  # the window's default: auto
+    prev = PrevStep(0, train_busy_s=10.0, rollout_makespan_s=1.0, first_group_s=0.1)  # training-bound
+    for step in (1, 2):
+        info = StepInfo(step=step, prompts=list(range(16)), group_size=16, minibatches=4, n_prompts=1000,
+                        prev=prev, history={})  # fmt: skip
+        pol.plan(info)
+        assert pol.window is False
+    fgd = make_policy(cfg("fgd", 16, 16, 4))
+    fgd.plan(StepInfo(step=1, prompts=list(range(16)), group_size=16, minibatches=4, n_prompts=1000,
+                      prev=prev, history={}))  # fmt: skip
+    fgd.plan(StepInfo(step=2, prompts=list(range(16)), group_size=16, minibatches=4, n_prompts=1000,
+                      prev=prev, history={}))  # fmt: skip
+    assert fgd.window is True  # the same timings turn FGD's window on: the test can tell
+    with pytest.raises(ConfigError, match="window"):
+        make_policy(cfg("vigor", 16, 16, 4, window="on"))

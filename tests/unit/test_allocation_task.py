@@ -207,8 +207,9 @@ def test_targets_say_met_or_missed_and_by_how_much() -> None:
     def pol(
         r: float | None, ds: float | None = None, step_ci: list[float] | None = None
     ) -> dict[str, object]:
-        return {"ratio_vs_fixed": r, "ratio_vs": {"dynamic-sampling": {"mean": ds}},
-                "per_optimizer_step_vs_fixed": -0.05, "per_optimizer_step_vs_fixed_ci95": step_ci}  # fmt: skip
+        vs = {"dynamic-sampling": {"mean": ds}}
+        return {"ratio_vs_fixed": r, "ratio_vs": vs, "per_optimizer_step_vs_fixed": -0.05,
+                "per_optimizer_step_vs_fixed_ci95": step_ci}  # fmt: skip
 
     def reg(flat: float, vigor: float, pc: float, pc_ds: float) -> dict[str, object]:
         return {"flat_share": {"flat_share": flat, "ceiling": 1 / (1 - flat)},
