@@ -310,7 +310,8 @@ def plot(doc: dict[str, Any], path: Path) -> Path:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("held-out reward")
     axes[0][-1].legend(loc="lower right", fontsize=8)
-    fig.suptitle(f"{doc['task']}: held-out reward vs rollouts (mean over seeds, range shaded; target dashed)")
+    title = f"{doc['task']}: held-out reward vs rollouts\n(mean over seeds, range shaded; target dashed)"
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
