@@ -105,10 +105,12 @@ class Controller:
                 p: [PromptRecord(*r) for r in recs] for p, recs in (await self.b.prompt_history()).items()
             }
         start = max(0, await self.b.version_number())
+        planned = start
         for step in range(start, self.cc.steps):
             if await self.b.wait_version(step, stop) is None:
                 return 0
             view = await self.release_step(step, stop)
+            planned = step + 1
             spent = await self.b.record_step_rollouts(step, sum(g.released for g in view.groups.values()))
             if await self.b.wait_version(step + 1, stop) is None:
                 return 0
@@ -117,7 +119,7 @@ class Controller:
                          self.cc.max_rollouts)  # fmt: skip
                 break
         await self.b.mark_done()
-        log.info("all %d steps done", self.cc.steps)
+        log.info("run done: steps up to %d planned", planned - 1)
         return 0
 
     async def audit_control(self, stop: asyncio.Event) -> None:
