@@ -119,7 +119,7 @@ class Controller:
                          self.cc.max_rollouts)  # fmt: skip
                 break
         await self.b.mark_done()
-        log.info("run done: steps up to %d planned", planned - 1)
+        log.info("run done: %d steps", planned)
         return 0
 
     async def audit_control(self, stop: asyncio.Event) -> None:
