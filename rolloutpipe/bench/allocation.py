@@ -435,7 +435,8 @@ def run_allocation(
                 "calibration": {"seed": cal_seed, "curve": [[p.rollouts, p.eval_reward] for p in cal_curve]},
                 **summarise(runs, target),
             }
-            write_results(out, finish(doc_regimes), table(finish(doc_regimes)))  # a regime at a time
+            part = finish(doc_regimes)
+            write_results(out, part, table(part))  # a regime at a time: an interrupted suite keeps it
     doc = finish(doc_regimes)
     doc["wall_s"] = s.wall_s
     text = table(doc)

@@ -28,35 +28,20 @@ from rolloutpipe.config import Config
 
 def flat_share(cfg: Config, n: int = 256, seed: int = 12345) -> dict[str, Any]:
     """Sample the base model of ``cfg`` G times on ``n`` training prompts at ``cfg``'s temperature."""
-    from rolloutpipe.model.lm import (
-        decode_batch,
-        ensure_model,
-        load_model,
-        prompt_measure,
-        sampler,
-        tokenizer_for,
-    )
+    from rolloutpipe.model.lm import ensure_model, load_model, prompt_measure, tokenizer_for
+    from rolloutpipe.roles.trainer.evaluate import sample_rewards
     from rolloutpipe.tasks.datasets import task_prompts
-    from rolloutpipe.tasks.reward import ScoreInput, Scorer
+    from rolloutpipe.tasks.reward import Scorer
 
     G = cfg.controller.group_size
     prompts = task_prompts(cfg.task, n, seed, split="train", measure=prompt_measure(cfg))
     codec = tokenizer_for(cfg.model)
-    scorer = Scorer(cfg.task)
-    model = load_model(ensure_model(cfg.model), 1)
     items = [(p, j) for p in prompts for j in range(G)]
     ids = [codec.encode_prompt(p.text, p.messages) for p, _ in items]
     seeds = [seed * 1_000_003 + i for i in range(len(ids))]
-    rewards: list[float] = []
-    for lo in range(0, len(ids), 1024):  # batches: a decode pads a whole batch
-        hi = min(len(ids), lo + 1024)
-        pick = sampler([cfg.rollout.temperature] * (hi - lo), seeds[lo:hi])
-        resp, _ = decode_batch(
-            model, ids[lo:hi], [cfg.rollout.max_new_tokens] * (hi - lo), codec.eos_token_id, pick
-        )
-        for toks, (p, _) in zip(resp, items[lo:hi], strict=True):
-            inp = ScoreInput(codec.decode(np.asarray(toks)), p.answer, p.text, p.data_source, p.extra_info)
-            rewards.append(scorer.score_sync(inp).reward)
+    model = load_model(ensure_model(cfg.model), 1)
+    rewards = sample_rewards(model, codec, Scorer(cfg.task), items, ids, seeds, cfg.rollout.temperature,
+                             cfg.rollout.max_new_tokens, batch=1024)  # fmt: skip
     r = np.asarray(rewards, np.float64).reshape(len(prompts), G)
     flat = r.max(1) == r.min(1)
     p0 = flat & (r.max(1) <= 0)

@@ -111,7 +111,9 @@ class Controller:
                 return 0
             view = await self.release_step(step, stop)
             planned = step + 1
-            spent = await self.b.record_step_rollouts(step, sum(g.released for g in view.groups.values()))
+            spent = 0
+            if self.cc.max_rollouts > 0:  # the budget's count, kept in Redis so a restart keeps it
+                spent = await self.b.record_step_rollouts(step, sum(g.released for g in view.groups.values()))
             if await self.b.wait_version(step + 1, stop) is None:
                 return 0
             if 0 < self.cc.max_rollouts <= spent and step + 1 < self.cc.steps:

@@ -73,10 +73,6 @@ class StepInfo:
         if self.first_prompt < 0:
             object.__setattr__(self, "first_prompt", self.step * len(self.prompts))
 
-    def at(self, position: int) -> int:
-        """The prompt at stream ``position``."""
-        return position % self.n_prompts
-
 
 @dataclass(frozen=True)
 class GroupSpec:

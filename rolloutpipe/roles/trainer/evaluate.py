@@ -9,13 +9,14 @@ sample): every version is scored on the same random draws, so a change in score 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from rolloutpipe.config import Config
 from rolloutpipe.model.lm import decode_batch, prompt_measure, sampler, tokenizer_for
-from rolloutpipe.tasks.datasets import task_prompts
+from rolloutpipe.tasks.datasets import Prompt, task_prompts
 from rolloutpipe.tasks.reward import ScoreInput, Scorer
 
 
@@ -42,17 +43,43 @@ class Evaluator:
         was_training = bool(getattr(model, "training", False))
         model.eval()
         try:
-            pick = sampler([self.temperature] * len(self.ids), self.seeds)
-            resp, _ = decode_batch(
-                model, self.ids, [self.max_new] * len(self.ids), self.codec.eos_token_id, pick
+            rewards = sample_rewards(
+                model,
+                self.codec,
+                self.scorer,
+                self.items,
+                self.ids,
+                self.seeds,
+                self.temperature,
+                self.max_new,
             )
         finally:
             if was_training:
                 model.train()
-        rewards = [
-            self.scorer.score_sync(
-                ScoreInput(self.codec.decode(np.asarray(r)), p.answer, p.text, p.data_source, p.extra_info)
-            ).reward
-            for r, (p, _) in zip(resp, self.items, strict=True)
-        ]
         return sum(rewards) / len(rewards)
+
+
+def sample_rewards(
+    model: Any,
+    codec: Any,
+    scorer: Scorer,
+    items: Sequence[tuple[Prompt, int]],
+    ids: Sequence[np.ndarray],
+    seeds: Sequence[int],
+    temperature: float,
+    max_new: int,
+    batch: int = 0,
+) -> list[float]:
+    """One sampled response per ``(prompt, j)`` of ``items`` (its token ids in ``ids``, its seed in
+    ``seeds``), scored with the task's verifier; ``batch`` > 0 decodes that many at a time (a decode
+    pads its whole batch), 0 all at once.  Each row's draws depend only on its seed."""
+    step = batch or len(ids)
+    rewards: list[float] = []
+    for lo in range(0, len(ids), max(1, step)):
+        hi = min(len(ids), lo + step)
+        pick = sampler([temperature] * (hi - lo), list(seeds[lo:hi]))
+        resp, _ = decode_batch(model, list(ids[lo:hi]), [max_new] * (hi - lo), codec.eos_token_id, pick)
+        for toks, (p, _) in zip(resp, items[lo:hi], strict=True):
+            inp = ScoreInput(codec.decode(np.asarray(toks)), p.answer, p.text, p.data_source, p.extra_info)
+            rewards.append(scorer.score_sync(inp).reward)
+    return rewards
