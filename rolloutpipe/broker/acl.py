@@ -6,7 +6,8 @@ users and fresh random passwords, and ``docker-compose.yml`` spells the same rul
 ``%R~`` read only; ``rp:*:`` matches every run's ``rp:{run}:`` namespace.
 
 * ``controller`` writes ``requests``, plans, allocations (``alloc``, ``closed``, on ``samples``),
-  step seals (on ``groups``), its release records and the prompt history; it reads ``feedback``,
+  step seals (on ``groups``), its release records, the prompt history, the dataset stream's
+  position (``prompt_cursor``) and the rollouts released per step (``step_rollouts``); it reads ``feedback``,
   trims the streams and old steps' keys (``XTRIM``/``DEL``) and audits ``control``.
 * ``rollout`` writes ``samples`` and its heartbeats (and the ``workers`` registry), reads
   ``version`` and ``closed``; it cannot write ``groups``, ``control`` or ``version``.
@@ -38,10 +39,11 @@ ROLE_RULES: dict[str, list[str]] = {
         "~rp:*:requests", "~rp:*:control", "~rp:*:dlq", "~rp:*:stats", "~rp:*:plan:*",
         "~rp:*:released:*", "~rp:*:done", "~rp:*:samples", "~rp:*:groups", "~rp:*:finished:*",
         "~rp:*:emitted:*", "~rp:*:consumed:*", "~rp:*:feedback", "~rp:*:alloc:*", "~rp:*:closed:*",
-        "~rp:*:prompt_history", "~rp:*:samples:*", "~rp:*:sample_shards", "~rp:*:migrated:*",
+        "~rp:*:prompt_history", "~rp:*:prompt_cursor", "~rp:*:step_rollouts",
+        "~rp:*:samples:*", "~rp:*:sample_shards", "~rp:*:migrated:*",
         *_ONCE_KEYS, "%R~rp:*:version", "%R~rp:*:worker:*", "%R~rp:*:workers",
         "-@all", "+@connection", *_TX, *_ONCE, "+xadd", *_STREAM_CONSUMER, "+xrange", "+xrevrange",
-        "+xread", "+exists", "+incrby", "+hincrby", "+hgetall", "+scard",
+        "+xread", "+exists", "+incrby", "+hincrby", "+hgetall", "+hvals", "+scard",
         "+scan", "+sadd", "+smembers", "+sismember", "+xtrim", "+xinfo|groups", "+xpending", "+xlen",
         "+del", "+zrangebyscore", "+mget",
     ],
