@@ -18,7 +18,8 @@ Accounting, the same for every policy:
 
 * **rollouts** after step k: every rollout released for steps 0..k, trained or not (a skipped
   pilot, a dropped group, an aborted extra all count): ``samples + samples_wasted`` of the metrics;
-* **optimizer steps** after step k: the mini-batches the trainer stepped on (``minibatches``);
+* **optimizer steps** after step k: the mini-batches the trainer stepped on (``minibatches``
+  less ``flat_minibatches``, those with no gradient under ``trainer.flat_minibatch: skip``);
 * **held-out reward**: ``eval_reward`` of step k, the score of the weights that step made
   (``rolloutpipe/roles/trainer/evaluate.py``); point 0 is the base model's score;
 * **wall seconds** after step k: from the first step's start to the end of step k's training,
@@ -73,6 +74,11 @@ class Point:
     opt_steps: int = 0
 
 
+def opt_steps(m: StepMetrics) -> int:
+    """The optimizer steps step ``m`` took: its mini-batches less those with no gradient it skipped."""
+    return len(m.minibatches) - len(m.flat_minibatches)
+
+
 def curve(ms: list[StepMetrics], base_eval: float) -> list[Point]:
     """Held-out reward against cumulative rollouts, optimizer steps and wall seconds."""
     pts = [Point(-1, 0, base_eval, 0.0, 0)]
@@ -82,7 +88,7 @@ def curve(ms: list[StepMetrics], base_eval: float) -> list[Point]:
     rollouts, opt, eval_s = 0, 0, 0.0
     for m in sorted(ms, key=lambda m: m.step):
         rollouts += m.samples + m.samples_wasted
-        opt += len(m.minibatches)
+        opt += opt_steps(m)
         if m.eval_reward is not None:
             pts.append(Point(m.step, rollouts, m.eval_reward, m.train_end - t0 - eval_s, opt))
         eval_s += m.eval_s
@@ -159,7 +165,8 @@ def summarise(runs: dict[str, dict[int, dict[str, Any]]], target: float) -> dict
             "total_rollouts_per_seed": [cs[s][-1].rollouts for s in seeds],
             "total_optimizer_steps_per_seed": [cs[s][-1].opt_steps for s in seeds],
             "rollouts_per_step_mean": _mean([float(m.samples + m.samples_wasted) for m in steps]),
-            "optimizer_steps_per_step_mean": _mean([float(len(m.minibatches)) for m in steps]),
+            "optimizer_steps_per_step_mean": _mean([float(opt_steps(m)) for m in steps]),
+            "flat_minibatches_per_step_mean": _mean([float(len(m.flat_minibatches)) for m in steps]),
             "groups_trained_per_step_mean": _mean([float(m.groups) for m in steps]),
             "groups_skipped_per_step_mean": _mean([float(m.groups_skipped) for m in steps]),
             "rollout_to_train_end_s_median": statistics.median(
@@ -223,7 +230,7 @@ def table(doc: dict[str, Any]) -> str:
             "",
             "| policy | reached | rollouts to target (per seed) | ratio vs fixed [95% CI] (per seed) | "
             "held-out @ equal rollouts | held-out @ equal opt steps (− fixed [CI]) | rollouts/step | "
-            "opt steps/step | trained/step | skipped/step |",
+            "opt steps/step (flat, not stepped) | trained/step | skipped/step |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, r in reg["policies"].items():
@@ -241,7 +248,8 @@ def table(doc: dict[str, Any]) -> str:
                 f"{_fmt(r['eval_reward_at_equal_rollouts_mean'], '.3f')} | "
                 f"{_fmt(r['eval_reward_at_equal_optimizer_steps_mean'], '.3f')} "
                 f"({_fmt(d, '+.3f')}{dci}) | "
-                f"{_fmt(r['rollouts_per_step_mean'])} | {_fmt(r['optimizer_steps_per_step_mean'], '.2f')} | "
+                f"{_fmt(r['rollouts_per_step_mean'])} | {_fmt(r['optimizer_steps_per_step_mean'], '.2f')} "
+                f"({_fmt(r.get('flat_minibatches_per_step_mean'), '.2f')}) | "
                 f"{_fmt(r['groups_trained_per_step_mean'], '.1f')} | "
                 f"{_fmt(r['groups_skipped_per_step_mean'], '.1f')} |"
             )

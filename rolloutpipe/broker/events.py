@@ -326,6 +326,8 @@ class StepMetrics(Event):
     verifier_errors: int = 0
     verifier_timeouts: int = 0
     minibatches: list[list[str]] = Field(default_factory=list)
+    # indices into ``minibatches`` of those that took no optimizer step (``trainer.flat_minibatch``)
+    flat_minibatches: list[int] = Field(default_factory=list)
     step_start: float = 0.0
     train_end: float = 0.0
     # held-out reward of the weights this step made (version k+1), when eval.every says so, and the

@@ -426,6 +426,10 @@ class TrainerConfig(_Section):
         "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
         "group-mean-token-mean",
     ] = "token-mean"  # fmt: skip
+    # a mini-batch whose loss has an exactly zero gradient (every advantage 0, no KL or entropy term:
+    # ``grpo.has_gradient``).  step: take the AdamW step anyway, as slime and verl do; it moves the
+    # weights by AdamW's momentum alone.  skip: take no optimizer step (docs/grpo.md)
+    flat_minibatch: Literal["step", "skip"] = "step"
     loss_agg_norm_len: int = Field(default=0, ge=0)  # seq-mean-token-sum-norm: 0 = rollout.max_new_tokens
     # engine: the engine's logprobs; recompute: the version-k trainer weights, per group (``frozen``
     # is the old name of recompute and still accepted)
@@ -483,6 +487,11 @@ class TrainerConfig(_Section):
             raise ValueError(
                 "the deepspeed backend loads no reference model: kl_coef > 0 is not supported "
                 "there yet (use backend=torch for a KL term)"
+            )
+        if self.backend == "deepspeed" and self.flat_minibatch == "skip":
+            raise ValueError(
+                "the deepspeed backend always steps: flat_minibatch=skip is not supported there "
+                "(use backend=torch, or flat_minibatch=step)"
             )
         return self
 

@@ -161,6 +161,18 @@ def token_entropy(logp_all: torch.Tensor) -> torch.Tensor:
     return -(torch.exp(logp_all) * logp_all).sum(-1)
 
 
+def has_gradient(tc: TrainerConfig, advantages: list[np.ndarray]) -> bool:
+    """Whether a mini-batch's loss can have a nonzero gradient: some advantage is nonzero, or the
+    loss has a KL or an entropy term.
+
+    With every advantage 0 (every group flat: all its rewards equal) and neither term, each token's
+    loss is 0 x its ratio, so the gradient is exactly zero, yet AdamW's step on it still moves the
+    weights, by its momentum (and weight decay) alone.  ``trainer.flat_minibatch: skip`` takes no
+    step there.
+    """
+    return tc.kl_coef > 0 or tc.entropy_coef != 0 or any(bool(np.any(a != 0)) for a in advantages)
+
+
 def recomputes(tc: TrainerConfig) -> bool:
     """Whether old logprobs come from the version-k trainer weights (``frozen`` is the old name)."""
     return tc.old_logprobs in ("recompute", "frozen")

@@ -2,7 +2,8 @@
 DeepSpeed ZeRO data parallel (``ds_backend``).
 
 All implement the same calls: ``begin_step`` (freeze version k), ``accumulate(group)``
-(forward + backward of one group) and ``optimizer_step`` (at a mini-batch boundary).  The torch
+(forward + backward of one group) and ``optimizer_step`` (at a mini-batch boundary), or
+``drop_gradient`` there instead (a mini-batch with no gradient, ``trainer.flat_minibatch: skip``).  The torch
 and emulated backends also implement ``checkpoint.Checkpointable`` (state saved at every step
 commit, loaded on resume).
 """
@@ -29,6 +30,7 @@ class Backend(Protocol):
     def begin_step(self, version: int) -> None: ...
     def accumulate(self, group: Group) -> None: ...
     def optimizer_step(self) -> dict[str, float]: ...
+    def drop_gradient(self) -> None: ...  # end a mini-batch with no optimizer step
     def publish(self, root: Path, run: str, version: int) -> PolicyVersion: ...
 
 
@@ -126,6 +128,11 @@ class TorchBackend:
         self.sums = defaultdict(float)
         return stats
 
+    def drop_gradient(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        self.norm = 0.0
+        self.sums = defaultdict(float)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
@@ -193,6 +200,9 @@ class EmulatedBackend:
     def optimizer_step(self) -> dict[str, float]:
         time.sleep(self.ec.optimizer_step_s * self.ec.time_scale)
         return {"loss": 0.0, "grad_norm": 0.0, "clipfrac": 0.0}
+
+    def drop_gradient(self) -> None:
+        pass  # no optimizer step, so none of its time
 
     def checkpoint_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
         return {}, {}  # nothing beyond the step, which the checkpoint records itself

@@ -371,6 +371,9 @@ class DeepSpeedBackend:
             self._send("optimizer_step")
             return self.rep.optimizer_step()
 
+    def drop_gradient(self) -> None:  # the config refuses flat_minibatch=skip with this backend
+        raise NotImplementedError("the deepspeed backend always steps (trainer.flat_minibatch=step)")
+
     def publish(self, root: Path, run: str, version: int) -> PolicyVersion:
         with self.lock:
             self._send("publish")

@@ -23,7 +23,8 @@
    (``checkpoint.py`` gives the order and why a SIGKILL anywhere neither loses nor repeats a group).
 
 A mini-batch is the j-th run of ``groups_per_minibatch`` groups in arrival order; a last, shorter
-one takes what is left.
+one takes what is left.  With ``trainer.flat_minibatch: skip`` a mini-batch whose loss has no
+gradient (``grpo.has_gradient``) takes no optimizer step; ``StepMetrics.flat_minibatches`` lists it.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ from rolloutpipe import metrics
 from rolloutpipe.broker.events import Group, StepMetrics, StepPlan, StepSeal
 from rolloutpipe.broker.keys import Groups
 from rolloutpipe.broker.streams import Broker, Entry
-from rolloutpipe.config import mode_label
+from rolloutpipe.config import TrainerConfig, mode_label
 from rolloutpipe.errors import StaleVersionError
+from rolloutpipe.rl.grpo import has_gradient
 from rolloutpipe.roles.trainer import checkpoint
 from rolloutpipe.roles.trainer.backends import Backend
 from rolloutpipe.roles.trainer.fence import VersionFence
@@ -66,16 +68,16 @@ async def train_step(t: Trainer, step: int, plan: StepPlan, stop: asyncio.Event)
     await asyncio.to_thread(t.backend.begin_step, step)  # the backend freezes version k
     clock = StepClock()
     intake = Intake(t.b, t.queue, step, plan, record=t.cfg.trainer.record_groups)
-    schedule = t.schedule(t.backend, clock, plan.groups_per_minibatch)
+    schedule = t.schedule(t.backend, clock, plan.groups_per_minibatch, step_rule(t.cfg.trainer))
     async for g, read_at in intake.groups(stop):  # 1. intake: FIFO, seals, the fence, dedup
         clock.observe(g, read_at)  # 3. measurement, per group
         await schedule.add(g, last=intake.complete)  # 2. schedule: CGP trains it now, barrier keeps it
     if not intake.complete:  # stopped
         return None
-    minibatches = await schedule.finish()  # 2. schedule: what is left (all of it, for the barrier)
+    await schedule.finish()  # 2. schedule: what is left (all of it, for the barrier)
     train_end = time.time()
     eval_reward, eval_s = await _evaluate(t, step)  # 3. measurement: version k+1, before it is published
-    m, timeline = await measure(t, step, plan, clock, intake, minibatches, train_end, eval_reward, eval_s)
+    m, timeline = await measure(t, step, plan, clock, intake, schedule, train_end, eval_reward, eval_s)
     await commit(t, step, m, intake, timeline)  # 4. commit: logs, checkpoint, publish, acks
     export(t, step, m)  # 3. measurement: the step logger and Prometheus
     return m
@@ -193,16 +195,45 @@ class Intake:
 # --------------------------------------------------------------------------------------- 2. schedule
 
 
+def step_rule(tc: TrainerConfig) -> Callable[[list[Group]], bool]:
+    """Whether a mini-batch takes its optimizer step: always (``trainer.flat_minibatch: step``), or
+    only when its loss has a gradient (``skip``; ``grpo.has_gradient``)."""
+    if tc.flat_minibatch == "step":
+        return lambda mb: True
+    return lambda mb: has_gradient(tc, [g.advantages for g in mb])
+
+
 class StepSchedule:
     """When the step's groups are trained: ``add`` each group the intake lets through, then
     ``finish`` once the step has them all; every compute is timed by ``clock.compute``."""
 
-    def __init__(self, backend: Backend, clock: StepClock, groups_per_minibatch: int) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        clock: StepClock,
+        groups_per_minibatch: int,
+        steps_on: Callable[[list[Group]], bool] = lambda mb: True,
+    ) -> None:
         self.backend = backend
         self.clock = clock
         self.gpm = groups_per_minibatch
+        self.steps_on = steps_on  # whether a mini-batch takes its optimizer step (flat_minibatch)
         self.pending: list[Group] = []  # groups not yet in a closed mini-batch
         self.minibatches: list[list[str]] = []  # group ids of each closed mini-batch
+        self.flat: list[int] = []  # indices of the closed mini-batches that took no optimizer step
+
+    def _end(self, mb: list[Group]) -> dict[str, float] | None:
+        """In a worker thread: the mini-batch's optimizer step and its stats, or None if it takes none."""
+        if self.steps_on(mb):
+            return self.backend.optimizer_step()
+        self.backend.drop_gradient()
+        return None
+
+    def _closed(self, mb: list[Group], stats: dict[str, float] | None, last_group_t0: float) -> None:
+        self.clock.close_minibatch(stats, last_group_t0)
+        if stats is None:
+            self.flat.append(len(self.minibatches))
+        self.minibatches.append([x.group_id for x in mb])
 
     async def add(self, g: Group, last: bool) -> None:
         """A group of the step; ``last``: the step now has all its groups."""
@@ -228,9 +259,8 @@ class Pipelined(StepSchedule):
         return self.minibatches
 
     async def _close(self, last_group_t0: float) -> None:
-        stats, _ = await self.clock.compute(self.backend.optimizer_step)
-        self.clock.close_minibatch(stats, last_group_t0)
-        self.minibatches.append([x.group_id for x in self.pending])
+        stats, _ = await self.clock.compute(self._end, self.pending)
+        self._closed(self.pending, stats, last_group_t0)
         self.pending = []
 
 
@@ -245,18 +275,17 @@ class Barrier(StepSchedule):
         for i in range(0, len(self.pending), self.gpm):
             mb = self.pending[i : i + self.gpm]
             (stats, last_group_t0), _ = await self.clock.compute(self._minibatch, mb)
-            self.clock.close_minibatch(stats, last_group_t0)
-            self.minibatches.append([x.group_id for x in mb])
+            self._closed(mb, stats, last_group_t0)
         self.pending = []
         return self.minibatches
 
-    def _minibatch(self, groups: list[Group]) -> tuple[dict[str, float], float]:
+    def _minibatch(self, groups: list[Group]) -> tuple[dict[str, float] | None, float]:
         """In a worker thread: the mini-batch's stats and when its last group's compute began."""
         t0 = time.time()
         for g in groups:
             t0 = time.time()
             self.backend.accumulate(g)
-        return self.backend.optimizer_step(), t0
+        return self._end(groups), t0
 
 
 SCHEDULES: dict[str, type[StepSchedule]] = {"pipelined": Pipelined, "barrier": Barrier}
@@ -329,9 +358,11 @@ class StepClock:
         self.mb_busy += t1 - t0
         return r, t0
 
-    def close_minibatch(self, stats: dict[str, float], last_group_t0: float) -> None:
-        """A mini-batch's optimizer step has returned ``stats``: its compute joins the step's."""
-        self.train_stats.append(stats)
+    def close_minibatch(self, stats: dict[str, float] | None, last_group_t0: float) -> None:
+        """A mini-batch's optimizer step has returned ``stats`` (None: it took none): its compute
+        joins the step's."""
+        if stats is not None:
+            self.train_stats.append(stats)
         self.last_group = time.time() - last_group_t0
         self.busy += self.mb_busy
         self.last_mb, self.mb_busy = self.mb_busy, 0.0
@@ -352,7 +383,7 @@ async def measure(
     plan: StepPlan,
     clock: StepClock,
     intake: Intake,
-    minibatches: list[list[str]],
+    schedule: StepSchedule,
     train_end: float,
     eval_reward: float | None,
     eval_s: float,
@@ -401,7 +432,8 @@ async def measure(
         dispatch_latency_p50_s=float(np.percentile(lat, 50)),
         dispatch_latency_p99_s=float(np.percentile(lat, 99)),
         admission_latency_p50_s=float(np.percentile(clock.admission or [0.0], 50)),
-        minibatches=minibatches,
+        minibatches=schedule.minibatches,
+        flat_minibatches=schedule.flat,
         step_start=clock.step_start,
         train_end=train_end,
         eval_reward=eval_reward,
