@@ -57,8 +57,14 @@ def test_allocation_bench_quick(tmp_path: Path, redis_server: EmbeddedRedis) -> 
             assert all(r["eval_reward"] is not None for r in rows[1::2])
         fixed = reg["policies"]["fixed"]
         assert fixed["rollouts_per_step_mean"] == 16 * 16 and fixed["groups_skipped_per_step_mean"] == 0
-        assert fixed["optimizer_steps_per_step_mean"] == 4
-        # Pilot-Commit as published fills the batch: 16 committed groups, 4 optimizer steps a step
+        # 4 mini-batches a step; those with no gradient take no optimizer step (flat_minibatch: skip)
+        for name in ("fixed", "vigor"):
+            r = reg["policies"][name]
+            assert r["optimizer_steps_per_step_mean"] == pytest.approx(4 - r["flat_minibatches_per_step_mean"])
+            assert r["groups_trained_per_step_mean"] == 16
+        # Pilot-Commit as published fills the batch: 16 committed groups, all with reward variance, so
+        # 4 optimizer steps a step and never a flat mini-batch
         pc = reg["policies"]["pilot-commit"]
         assert pc["groups_trained_per_step_mean"] == 16 and pc["optimizer_steps_per_step_mean"] == 4
-        assert reg["policies"]["vigor"]["optimizer_steps_per_step_mean"] == 4
+        assert pc["flat_minibatches_per_step_mean"] == 0
+        assert reg["policies"]["dynamic-sampling"]["flat_minibatches_per_step_mean"] == 0
