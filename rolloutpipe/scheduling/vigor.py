@@ -18,6 +18,10 @@ follows the abstract, point by point:
   rewards have no variance (it is never ranked: a zero-variance group is never the highest), it
   reached ``cap``, or the budget cannot pay for another round.  So it goes to the trainer without
   waiting for other groups' rounds; only groups still in the running wait for the round.
+  A step's flat groups are therefore the first to reach the trainer, and fill whole mini-batches
+  whose gradient is zero: under ``trainer.flat_minibatch: step`` AdamW still steps on them, by
+  momentum alone, so run VIGOR with ``skip`` (``configs/allocation.yaml`` does; docs/allocation.md,
+  "Why VIGOR fell").
 
 Rounds are decided on complete rounds only, so response length never decides who gets more.  The
 budget left when no group has variance is not spent (the abstract spends it on the highest
