@@ -239,8 +239,8 @@ class StepSchedule:
         """A group of the step; ``last``: the step now has all its groups."""
         raise NotImplementedError
 
-    async def finish(self) -> list[list[str]]:
-        """The training left once the step has all its groups; the mini-batches' group ids."""
+    async def finish(self) -> None:
+        """The training left once the step has all its groups (``minibatches`` then has them all)."""
         raise NotImplementedError
 
 
@@ -253,10 +253,9 @@ class Pipelined(StepSchedule):
         if len(self.pending) == self.gpm or last:  # a boundary, or the step's last group
             await self._close(t0)
 
-    async def finish(self) -> list[list[str]]:
+    async def finish(self) -> None:
         if self.pending:  # the seal came after the last group: its mini-batch is shorter
             await self._close(time.time())
-        return self.minibatches
 
     async def _close(self, last_group_t0: float) -> None:
         stats, _ = await self.clock.compute(self._end, self.pending)
@@ -271,13 +270,12 @@ class Barrier(StepSchedule):
     async def add(self, g: Group, last: bool) -> None:
         self.pending.append(g)
 
-    async def finish(self) -> list[list[str]]:
+    async def finish(self) -> None:
         for i in range(0, len(self.pending), self.gpm):
             mb = self.pending[i : i + self.gpm]
             (stats, last_group_t0), _ = await self.clock.compute(self._minibatch, mb)
             self._closed(mb, stats, last_group_t0)
         self.pending = []
-        return self.minibatches
 
     def _minibatch(self, groups: list[Group]) -> tuple[dict[str, float] | None, float]:
         """In a worker thread: the mini-batch's stats and when its last group's compute began."""
