@@ -430,6 +430,11 @@ class TrainerConfig(_Section):
     # ``grpo.has_gradient``).  step: take the AdamW step anyway, as slime and verl do; it moves the
     # weights by AdamW's momentum alone.  skip: take no optimizer step (docs/grpo.md)
     flat_minibatch: Literal["step", "skip"] = "step"
+    # A step's last mini-batch of one group, when mini-batches hold more (a step that trained
+    # groups_per_minibatch x m + 1: dynamic sampling out of refills, a short plan).  merge: it joins
+    # the mini-batch before it, so no optimizer step is taken on a lone group; own: it takes its own
+    # optimizer step, as the mini-batch split of slime and verl does
+    lone_group: Literal["merge", "own"] = "merge"
     loss_agg_norm_len: int = Field(default=0, ge=0)  # seq-mean-token-sum-norm: 0 = rollout.max_new_tokens
     # engine: the engine's logprobs; recompute: the version-k trainer weights, per group (``frozen``
     # is the old name of recompute and still accepted)

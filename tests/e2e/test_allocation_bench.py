@@ -60,8 +60,8 @@ def test_allocation_bench_quick(tmp_path: Path, redis_server: EmbeddedRedis) -> 
         # 4 mini-batches a step; those with no gradient take no optimizer step (flat_minibatch: skip)
         for name in ("fixed", "vigor"):
             r = reg["policies"][name]
-            flat = r["flat_minibatches_per_step_mean"]
-            assert r["optimizer_steps_per_step_mean"] == pytest.approx(4 - flat)
+            n_flat = r["flat_minibatches_per_step_mean"]
+            assert r["optimizer_steps_per_step_mean"] == pytest.approx(4 - n_flat)
             assert r["groups_trained_per_step_mean"] == 16
         # Pilot-Commit as published fills the batch: 16 committed groups, all with reward variance, so
         # 4 optimizer steps a step and never a flat mini-batch

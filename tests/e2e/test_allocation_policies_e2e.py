@@ -27,6 +27,15 @@ STEPS = 2
 B, G, MB = 8, 8, 2
 
 
+def split(n: int, gpm: int = B // MB) -> list[int]:
+    """Mini-batch sizes of a step that trains ``n`` groups: runs of ``gpm``, a shorter last one, and
+    a lone last group joined to the one before (``trainer.lone_group: merge``, the default)."""
+    sizes = [gpm] * (n // gpm) + ([n % gpm] if n % gpm else [])
+    if len(sizes) > 1 and sizes[-1] == 1 and gpm > 1:
+        sizes[-2:] = [gpm + 1]
+    return sizes
+
+
 def run(
     tmp_path: Path, run_name: str, redis_url: str, model_cache: str, policy: str, args: dict[str, object]
 ):
@@ -86,7 +95,7 @@ def test_pilot_commit_on_the_tiny_model(
         assert candidates % 12 == 0 and candidates <= 36
         # the batch is full, or every pool of the cap was drawn
         assert m.groups == B or (m.groups < B and candidates == 36)
-        assert len(m.minibatches) == (MB if m.groups == B else len(m.minibatches))
+        assert [len(mb) for mb in m.minibatches] == split(m.groups)  # MB of them when full
         assert m.samples == G * m.groups and m.samples_wasted <= 4 * m.groups_skipped
         assert np.isfinite(m.first_group_s) and m.rollout_to_train_end_s > 0
         first += candidates
@@ -105,6 +114,7 @@ def test_dynamic_sampling_on_the_tiny_model(
             assert np.abs(g.advantages).sum() > 0
         refills = sum(1 for g in gs if int(g.group_id.split(":")[1]) >= B)
         assert m.groups <= B and refills <= 8
+        assert [len(mb) for mb in m.minibatches] == split(m.groups)
         assert m.samples_wasted == G * m.groups_skipped  # a flat group trains none of its G
     # the untrained model passes ~1 in 10: some groups are flat, so skips and refills both happened
     assert sum(m.groups_skipped for m in ms) > 0

@@ -70,11 +70,11 @@ def test_a_flat_minibatch_after_a_real_one(
     groups = [_group("0:0", SIGNAL), _group("0:1", SIGNAL), _group("0:2", ZERO), _group("0:3", ZERO)]
 
     async def run() -> list[torch.Tensor]:
-        await sched.add(groups[0], last=False)
-        await sched.add(groups[1], last=False)  # mini-batch 0 closes (Pipelined): a real step
+        await sched.add(groups[0], left=3)
+        await sched.add(groups[1], left=2)  # mini-batch 0 closes (Pipelined): a real step
         after_real = [p.detach().clone() for p in params]
-        await sched.add(groups[2], last=False)
-        await sched.add(groups[3], last=True)
+        await sched.add(groups[2], left=1)
+        await sched.add(groups[3], left=0)
         await sched.finish()
         return after_real
 

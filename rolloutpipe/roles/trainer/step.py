@@ -23,8 +23,10 @@
    (``checkpoint.py`` gives the order and why a SIGKILL anywhere neither loses nor repeats a group).
 
 A mini-batch is the j-th run of ``groups_per_minibatch`` groups in arrival order; a last, shorter
-one takes what is left.  With ``trainer.flat_minibatch: skip`` a mini-batch whose loss has no
-gradient (``grpo.has_gradient``) takes no optimizer step; ``StepMetrics.flat_minibatches`` lists it.
+one takes what is left, except a lone group: under ``trainer.lone_group: merge`` (the default) it
+joins the mini-batch before it, so that no optimizer step is taken on one group.  With
+``trainer.flat_minibatch: skip`` a mini-batch whose loss has no gradient (``grpo.has_gradient``)
+takes no optimizer step; ``StepMetrics.flat_minibatches`` lists it.
 """
 
 from __future__ import annotations
@@ -68,10 +70,12 @@ async def train_step(t: Trainer, step: int, plan: StepPlan, stop: asyncio.Event)
     await asyncio.to_thread(t.backend.begin_step, step)  # the backend freezes version k
     clock = StepClock()
     intake = Intake(t.b, t.queue, step, plan, record=t.cfg.trainer.record_groups)
-    schedule = t.schedule(t.backend, clock, plan.groups_per_minibatch, step_rule(t.cfg.trainer))
+    tc = t.cfg.trainer
+    merge = tc.lone_group == "merge"
+    schedule = t.schedule(t.backend, clock, plan.groups_per_minibatch, step_rule(tc), merge)
     async for g, read_at in intake.groups(stop):  # 1. intake: FIFO, seals, the fence, dedup
         clock.observe(g, read_at)  # 3. measurement, per group
-        await schedule.add(g, last=intake.complete)  # 2. schedule: CGP trains it now, barrier keeps it
+        await schedule.add(g, left=intake.left)  # 2. schedule: CGP trains it now, barrier keeps it
     if not intake.complete:  # stopped
         return None
     await schedule.finish()  # 2. schedule: what is left (all of it, for the barrier)
@@ -117,6 +121,11 @@ class Intake:
     def complete(self) -> bool:
         """The step has all its groups (never before its seal, when the plan is not sealed)."""
         return self.total is not None and len(self.consumed) >= self.total
+
+    @property
+    def left(self) -> int | None:
+        """How many groups the step has still to get; None while its count is not known."""
+        return None if self.total is None else max(0, self.total - len(self.consumed))
 
     async def groups(self, stop: asyncio.Event) -> AsyncIterator[tuple[Group, float]]:
         """Each trainable group of the step and its read time, until the step is complete or stopped."""
@@ -213,11 +222,15 @@ class StepSchedule:
         clock: StepClock,
         groups_per_minibatch: int,
         steps_on: Callable[[list[Group]], bool] = lambda mb: True,
+        merge_lone: bool = False,
     ) -> None:
         self.backend = backend
         self.clock = clock
         self.gpm = groups_per_minibatch
         self.steps_on = steps_on  # whether a mini-batch takes its optimizer step (flat_minibatch)
+        # a last mini-batch of one group joins the one before (lone_group: merge); one group is a
+        # mini-batch by design when groups_per_minibatch is 1
+        self.merge_lone = merge_lone and groups_per_minibatch > 1
         self.pending: list[Group] = []  # groups not yet in a closed mini-batch
         self.minibatches: list[list[str]] = []  # group ids of each closed mini-batch
         self.flat: list[int] = []  # indices of the closed mini-batches that took no optimizer step
@@ -235,8 +248,9 @@ class StepSchedule:
             self.flat.append(len(self.minibatches))
         self.minibatches.append([x.group_id for x in mb])
 
-    async def add(self, g: Group, last: bool) -> None:
-        """A group of the step; ``last``: the step now has all its groups."""
+    async def add(self, g: Group, left: int | None) -> None:
+        """A group of the step; ``left``: the groups still to come (0: this was the last), None
+        while the step's count is not known (a plan that is not sealed, before its seal)."""
         raise NotImplementedError
 
     async def finish(self) -> None:
@@ -245,17 +259,47 @@ class StepSchedule:
 
 
 class Pipelined(StepSchedule):
-    """CGP: forward+backward of each group as it arrives, the optimizer step at each boundary."""
+    """CGP: forward+backward of each group as it arrives, the optimizer step at each boundary.
 
-    async def add(self, g: Group, last: bool) -> None:
-        self.pending.append(g)
-        _, t0 = await self.clock.compute(self.backend.accumulate, g)
-        if len(self.pending) == self.gpm or last:  # a boundary, or the step's last group
-            await self._close(t0)
+    With ``merge_lone``, a full mini-batch that the step's last group may follow alone (one group
+    left, or the count not yet known) is held open; the group after it joins it if it is the last,
+    else the held mini-batch takes its step first.  While the count is not known that group cannot
+    tell, so its compute waits for the next group or the seal (one group's compute, moved later).
+    """
+
+    t0: float = 0.0  # when the last accumulated group's compute began
+    deferred: Group | None = None  # a group after a held mini-batch, not computed yet
+
+    async def add(self, g: Group, left: int | None) -> None:
+        if self.deferred is not None:  # g follows it: the deferred group was not the last
+            await self._close(self.t0)
+            await self._accumulate(self.deferred)
+            self.deferred = None
+        elif len(self.pending) >= self.gpm:  # a held mini-batch: is g a lone last group?
+            if left == 0:
+                await self._accumulate(g)  # it is: it joins
+                await self._close(self.t0)
+                return
+            if left is None:
+                self.deferred = g  # cannot tell yet
+                return
+            await self._close(self.t0)
+        await self._accumulate(g)
+        if left == 0:  # the step's last group
+            await self._close(self.t0)
+        elif len(self.pending) == self.gpm and not (self.merge_lone and left in (None, 1)):
+            await self._close(self.t0)  # a boundary that no lone group can follow
 
     async def finish(self) -> None:
-        if self.pending:  # the seal came after the last group: its mini-batch is shorter
+        if self.deferred is not None:  # the seal came after it: a lone last group, joining
+            await self._accumulate(self.deferred)
+            self.deferred = None
+        if self.pending:  # the seal came after the last group: a held or a shorter mini-batch
             await self._close(time.time())
+
+    async def _accumulate(self, g: Group) -> None:
+        self.pending.append(g)
+        _, self.t0 = await self.clock.compute(self.backend.accumulate, g)
 
     async def _close(self, last_group_t0: float) -> None:
         stats, _ = await self.clock.compute(self._end, self.pending)
@@ -267,12 +311,15 @@ class Barrier(StepSchedule):
     """slime's synchronous step: nothing trained before the step's last group is in, then each
     mini-batch (its groups' forward+backward and its optimizer step) as one compute."""
 
-    async def add(self, g: Group, last: bool) -> None:
+    async def add(self, g: Group, left: int | None) -> None:
         self.pending.append(g)
 
     async def finish(self) -> None:
-        for i in range(0, len(self.pending), self.gpm):
-            mb = self.pending[i : i + self.gpm]
+        mbs = [self.pending[i : i + self.gpm] for i in range(0, len(self.pending), self.gpm)]
+        if self.merge_lone and len(mbs) > 1 and len(mbs[-1]) == 1:
+            lone = mbs.pop()
+            mbs[-1] = mbs[-1] + lone  # a lone last group joins the mini-batch before it
+        for mb in mbs:
             (stats, last_group_t0), _ = await self.clock.compute(self._minibatch, mb)
             self._closed(mb, stats, last_group_t0)
         self.pending = []
