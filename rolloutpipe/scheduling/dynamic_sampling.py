@@ -20,9 +20,11 @@ Here, inside one step and on its weights:
 Parameters (``controller.policy_args``):
 
 * ``oversample`` (default 1.0): groups planned per prompt of the step.
-* ``max_refills`` (default ``2 x prompts_per_step``): groups added per step at most, after which
-  the step trains what it has (fewer groups).  2 x B matches verl's recipe, which generates up to
-  3 x the train batch in one round; 0 turns refills off.
+* ``max_refills`` (default ``29 x prompts_per_step``): groups added per step at most, after which
+  the step trains what it has (fewer groups).  The default is verl's recipe's cap: up to
+  ``max_num_gen_batches`` = 10 generation batches of 3 x the train batch, 30 x B prompts a step
+  (its scripts), where verl raises an error instead of training a short batch; 0 turns refills off.
+  (It was 2 x B, one generation batch, until 2026-12-07: the batch then often did not fill.)
 
 Refills and over-sampled groups are the dataset stream's next prompts (``StepInfo.first_prompt``),
 as verl's recipe draws further generation batches from its data loader: the next step starts after
@@ -51,6 +53,9 @@ from rolloutpipe.scheduling.base import (
 )
 from rolloutpipe.scheduling.fgd import FrontierPolicy
 
+# verl's DAPO recipe: at most max_num_gen_batches = 10 generation batches of 3 x the train batch
+MAX_PROMPTS_PER_STEP = 10 * 3
+
 
 def has_signal(g: GroupView) -> bool:
     """Rewards of the group's complete samples are not all equal (so its advantages are not all 0)."""
@@ -67,7 +72,9 @@ class DynamicSamplingPolicy(FrontierPolicy):
         super().__init__(cfg, **args)
         own = self.args
         self.oversample = float(own.get("oversample", 1.0))
-        self.max_refills = int(own.get("max_refills", 2 * cfg.prompts_per_step))
+        self.max_refills = int(
+            own.get("max_refills", MAX_PROMPTS_PER_STEP * cfg.prompts_per_step - cfg.prompts_per_step)
+        )
         if self.oversample < 1.0 or self.max_refills < 0:
             raise ConfigError("dynamic-sampling: oversample must be >= 1 and max_refills >= 0")
         self.want = cfg.prompts_per_step

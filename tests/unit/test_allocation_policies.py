@@ -356,6 +356,19 @@ def test_dynamic_sampling_refills_until_the_batch_is_full() -> None:
     assert len(kept) == 8 and all(reward_variance(g) > 0 for g in kept)
 
 
+def test_dynamic_sampling_fills_the_batch_past_one_generation_batch_by_default() -> None:
+    """verl's cap is 10 generation batches of 3 x B: a step whose first 40 refills are flat (more
+    than one generation batch's 2 x B = 16) still fills, and the default stops at 29 x B refills."""
+    rates = {p: 0.0 for p in range(8)} | {p: 0.0 for p in range(1000, 1048)}  # refills are 1008 on
+    view = Sim(make_policy(cfg("dynamic-sampling")), 8, 8, 1, bernoulli(rates, seed=3)).run()
+    kept = [g for g in view.groups.values() if g.status == "final"]
+    assert len(kept) == 8 and all(reward_variance(g) > 0 for g in kept)
+    assert sum(1 for g in view.groups.values() if g.added) > 40
+    never = Sim(make_policy(cfg("dynamic-sampling")), 8, 8, 1, lambda p, i: 0.0).run()
+    assert sum(1 for g in never.groups.values() if g.added) == 29 * 8  # every prompt flat: the cap
+    assert not [g for g in never.groups.values() if g.status == "final"]
+
+
 def test_dynamic_sampling_oversample_keeps_the_first_groups_with_signal_in_plan_order() -> None:
     rates = {p: 0.5 for p in range(12)}
     rates[1] = 0.0  # flat: skipped, so groups 0, 2..8 are the first eight with signal
