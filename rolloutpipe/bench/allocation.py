@@ -271,10 +271,14 @@ def targets(doc: dict[str, Any], ceiling: float = 2.0, want: float = 1.5, over_d
             if r is not None:
                 out.append(f"{rname}: {name} {r:.2f}x fewer rollouts than fixed (target >= {want}): "
                            + ("met" if r >= want else f"missed by {want - r:.2f}"))  # fmt: skip
-        pc = pol.get("pilot-commit", {}).get("ratio_vs", {}).get("dynamic-sampling", {}).get("mean")
+        vs = pol.get("pilot-commit", {}).get("ratio_vs", {})
+        pc = vs.get("dynamic-sampling", {}).get("mean")
         if pc is not None:
             out.append(f"{rname}: pilot-commit {pc:.2f}x fewer than dynamic sampling (target >= {over_ds}): "
                        + ("met" if pc >= over_ds else f"missed by {over_ds - pc:.2f}"))  # fmt: skip
+        pc3 = vs.get("dynamic-sampling-3x", {}).get("mean")
+        if pc3 is not None:  # beside the target: DAPO as verl's scripts generate it
+            out.append(f"{rname}: pilot-commit {pc3:.2f}x fewer than dynamic-sampling-3x (verl's rounds)")
     order = sorted(regs, key=lambda n: regs[n]["flat_share"]["flat_share"])
     for name in next(iter(regs.values()))["policies"] if regs else []:
         if name == "fixed" or len(order) < 2:

@@ -19,8 +19,13 @@ Here, inside one step and on its weights:
 
 Parameters (``controller.policy_args``):
 
-* ``oversample`` (default 1.0): groups planned per prompt of the step.
-* ``max_refills`` (default ``29 x prompts_per_step``): groups added per step at most, after which
+* ``oversample`` (default 1.0): groups planned per prompt of the step.  verl's DAPO scripts
+  generate 3 x the train batch a round (``gen_prompt_bsz = train_prompt_bsz * 3``); ``oversample:
+  3`` is that round, with two differences: the groups beyond the first B with signal are aborted
+  once those are known (verl generates them all), and a short round is topped up a group at a time
+  (verl generates another round of 3 x B).
+* ``max_refills`` (default ``30 x prompts_per_step`` less the planned groups, 29 x B at
+  ``oversample`` 1): groups added per step at most, after which
   the step trains what it has (fewer groups).  The default is verl's recipe's cap: up to
   ``max_num_gen_batches`` = 10 generation batches of 3 x the train batch, 30 x B prompts a step
   (its scripts), where verl raises an error instead of training a short batch; 0 turns refills off.
@@ -72,9 +77,8 @@ class DynamicSamplingPolicy(FrontierPolicy):
         super().__init__(cfg, **args)
         own = self.args
         self.oversample = float(own.get("oversample", 1.0))
-        self.max_refills = int(
-            own.get("max_refills", MAX_PROMPTS_PER_STEP * cfg.prompts_per_step - cfg.prompts_per_step)
-        )
+        planned = math.ceil(cfg.prompts_per_step * self.oversample)
+        self.max_refills = int(own.get("max_refills", MAX_PROMPTS_PER_STEP * cfg.prompts_per_step - planned))
         if self.oversample < 1.0 or self.max_refills < 0:
             raise ConfigError("dynamic-sampling: oversample must be >= 1 and max_refills >= 0")
         self.want = cfg.prompts_per_step
