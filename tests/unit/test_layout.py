@@ -22,7 +22,7 @@ FLOORS = {
     "config": 2,
     "broker": 3,
     "rl": 4,
-    "model": 5, "tasks": 5, "scheduling": 5,
+    "model": 5, "tasks": 5, "scheduling": 5, "agents": 5,
     "engines": 6,
     "roles": 7, "roles.trainer": 7,
     "tools": 8,

@@ -1,0 +1,1 @@
+"""Multi-turn, tool-using episodes: tools as plug-ins (``tools.py``)."""
