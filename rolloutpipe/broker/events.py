@@ -12,7 +12,8 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, model_validator
 
-SCHEMA_VERSION = 3  # 3: a request may resume a migrated one (prefix_ids, prefix_logprobs, segment, origin)
+SCHEMA_VERSION = 4  # 4: episodes (Sample.loss_mask, turns, tool_calls; RolloutRequest.prefix_mask)
+# 3: a request may resume a migrated one (prefix_ids, prefix_logprobs, segment, origin)
 # 2: per-group sample counts (GroupPlan, Allocation, StepSeal, GroupStats); no mode
 
 
@@ -45,6 +46,15 @@ def _packer(dtype: str) -> tuple[BeforeValidator, PlainSerializer]:
 
 Int32Array = Annotated[np.ndarray, *_packer("<i4")]
 Float32Array = Annotated[np.ndarray, *_packer("<f4")]
+UInt8Array = Annotated[np.ndarray, *_packer("u1")]
+
+
+def _mask_fits(mask: np.ndarray, n: int, what: str) -> None:
+    """An episode's loss mask: empty (every token the model's) or one 0/1 a token."""
+    if len(mask) and len(mask) != n:
+        raise ValueError(f"{len(mask)} loss-mask entries for {n} {what} tokens")
+    if len(mask) and int(mask.max()) > 1:
+        raise ValueError("a loss mask holds 0 (a tool's or the environment's token) or 1 (the model's)")
 
 
 class Event(BaseModel):
@@ -96,6 +106,9 @@ class RolloutRequest(Event):
     # under which the request's sample goes out once) and ``admitted_at`` when segment 0 started.
     prefix_ids: Int32Array = Field(default_factory=lambda: np.zeros(0, np.int32))
     prefix_logprobs: Float32Array = Field(default_factory=lambda: np.zeros(0, np.float32))
+    # An episode's continuation: which prefix tokens are the model's (1) and which a tool's (0);
+    # empty: all the model's.  Its completed turns' tool results are in the prefix, never re-called.
+    prefix_mask: UInt8Array = Field(default_factory=lambda: np.zeros(0, np.uint8))
     segment: int = Field(default=0, ge=0)
     origin: str = ""
     admitted_at: float = 0.0
@@ -104,6 +117,7 @@ class RolloutRequest(Event):
     def _prefix_consistent(self) -> RolloutRequest:
         if len(self.prefix_logprobs) != len(self.prefix_ids):
             raise ValueError(f"{len(self.prefix_logprobs)} prefix logprobs for {len(self.prefix_ids)} tokens")
+        _mask_fits(self.prefix_mask, len(self.prefix_ids), "prefix")
         if (self.segment == 0) != (not self.origin):
             raise ValueError(
                 "a continuation (segment > 0) names its origin entry, and only a continuation does"
@@ -136,11 +150,19 @@ class Sample(Event):
     segments: int = Field(default=1, ge=1)
     # when the engine preempted it for KV-cache memory (it re-queued it and recomputed its prefix)
     kv_preempted_at: list[float] = Field(default_factory=list)
+    # A multi-turn episode (docs/agents.md): per response token, 1 if the model generated it and 0
+    # if a tool or the environment wrote it (no loss; its logprob is 0); empty: a single turn, every
+    # token the model's.  ``turns``: where each model turn starts in the response; ``tool_calls``:
+    # the calls the episode made.
+    loss_mask: UInt8Array = Field(default_factory=lambda: np.zeros(0, np.uint8))
+    turns: list[int] = Field(default_factory=list)
+    tool_calls: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _one_logprob_per_token(self) -> Sample:
         if len(self.logprobs) != len(self.response_ids):
             raise ValueError(f"{len(self.logprobs)} logprobs for {len(self.response_ids)} response tokens")
+        _mask_fits(self.loss_mask, len(self.response_ids), "response")
         return self
 
 

@@ -273,6 +273,25 @@ def engine_logprobs(samples: list[Any], like: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def model_tokens(sample: Any) -> int:
+    """How many of a sample's response tokens the model generated (an episode's tool tokens not)."""
+    m: np.ndarray = sample.loss_mask
+    return int(m.sum()) if len(m) else len(sample.response_ids)
+
+
+def model_token_mask(samples: list[Any], like: torch.Tensor) -> torch.Tensor:
+    """1 on each response token the model generated, 0 on an episode's tool and environment tokens
+    (``Sample.loss_mask``) and on padding, right-padded like ``like`` ([B, T])."""
+    import torch
+
+    out = torch.zeros_like(like)
+    for i, s in enumerate(samples):
+        n = len(s.response_ids)
+        m: np.ndarray = s.loss_mask
+        out[i, :n] = torch.from_numpy(m.astype("float32")) if len(m) else 1.0
+    return out
+
+
 def response_logprobs(
     model: torch.nn.Module,
     prompts: list[np.ndarray],

@@ -22,7 +22,7 @@ from pydantic import BaseModel
 
 from rolloutpipe.broker import events
 from rolloutpipe.broker.codec import DEFAULT_CODEC
-from rolloutpipe.broker.events import SCHEMA_VERSION, Event, Float32Array, Int32Array
+from rolloutpipe.broker.events import SCHEMA_VERSION, Event, Float32Array, Int32Array, UInt8Array
 from rolloutpipe.broker.keys import POOL_STREAMS, STREAMS, Keys
 from rolloutpipe.errors import CodecError
 from tests.support.events import tiny_group
@@ -49,6 +49,8 @@ def _wire_type(ann: Any, metadata: list[Any]) -> str:
         return "bin: int32 LE"
     if metadata and metadata[0] is Float32Array.__metadata__[0]:
         return "bin: float32 LE"
+    if metadata and metadata[0] is UInt8Array.__metadata__[0]:
+        return "bin: uint8"
     if get_origin(ann) in (typing.Union, types.UnionType):
         alts = [a for a in get_args(ann) if a is not type(None)]
         nil = " or nil" if len(alts) < len(get_args(ann)) else ""
@@ -169,7 +171,7 @@ def test_packed_arrays_are_little_endian_int32_and_float32() -> None:
     assert s["prompt_ids"] == b"\x01\x00\x00\x00\x02\x00\x00\x00\x70\x11\x01\x00"
     assert s["response_ids"] == np.asarray([-1, 5], "<i4").tobytes()
     assert s["logprobs"] == np.asarray([-0.5, -1.25], "<f4").tobytes()
-    assert isinstance(s["reward"], float) and raw["schema_version"] == SCHEMA_VERSION == 3
+    assert isinstance(s["reward"], float) and raw["schema_version"] == SCHEMA_VERSION == 4
 
 
 def _reject(obj: dict[str, Any], match: str) -> None:
@@ -183,7 +185,8 @@ def test_schema_version_and_unknown_fields_are_checked() -> None:
     _reject({k: v for k, v in raw.items() if k != "schema_version"}, "unsupported schema_version None")
     _reject({**raw, "schema_version": 1}, "older RolloutPipe")
     _reject({**raw, "schema_version": 2}, "older RolloutPipe")
-    _reject({**raw, "schema_version": 4}, "unsupported schema_version 4")
+    _reject({**raw, "schema_version": 3}, "older RolloutPipe")
+    _reject({**raw, "schema_version": 5}, "unsupported schema_version 5")
     _reject({**raw, "colour": "red"}, "colour: Extra inputs are not permitted")
     _reject({**raw, "frontier": {**raw["frontier"], "x": 1}}, r"frontier\.x: Extra inputs")
     _reject({**raw, "kind": "grupo"}, "does not match any of the expected tags")

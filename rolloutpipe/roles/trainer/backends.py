@@ -88,16 +88,17 @@ class TorchBackend:
     def accumulate(self, group: Group) -> None:
         import torch
 
-        from rolloutpipe.model.lm import engine_logprobs, response_logprobs_entropy
+        from rolloutpipe.model.lm import engine_logprobs, model_token_mask, response_logprobs_entropy
 
         tc = self.cfg.trainer
-        logp, mask, ent = response_logprobs_entropy(
+        logp, _, ent = response_logprobs_entropy(
             self.model,
             [s.prompt_ids for s in group.samples],
             [s.response_ids for s in group.samples],
             group.samples[0].temperature,  # the engine's: the request carried it
             entropy_grad=tc.entropy_coef != 0,
         )
+        mask = model_token_mask(group.samples, logp)  # an episode's tool tokens carry no loss
         engine = engine_logprobs(group.samples, logp)
         if recomputes(tc):
             assert self.frozen is not None, "begin_step() must run before accumulate()"

@@ -256,23 +256,29 @@ class _Replica:
     def accumulate(self, group: Group) -> None:
         import torch
 
-        from rolloutpipe.model.lm import engine_logprobs, response_logprobs_entropy
+        from rolloutpipe.model.lm import (
+            engine_logprobs,
+            model_token_mask,
+            model_tokens,
+            response_logprobs_entropy,
+        )
         from rolloutpipe.model.tokenizer import BOS
 
         tc = self.cfg.trainer
         mine = group.samples[self.rank :: self.world]
-        lengths = [len(s.response_ids) for s in group.samples]
+        lengths = [model_tokens(s) for s in group.samples]  # an episode's tool tokens carry no loss
         self.norm += group_normaliser(lengths, tc.loss_agg, self.norm_len)  # the whole group's
         num: torch.Tensor | None = None
         with torch.device(self.device):  # policy.response_logprobs builds its tensors here
             if mine:
-                logp, mask, ent = response_logprobs_entropy(
+                logp, _, ent = response_logprobs_entropy(
                     self.engine,
                     [s.prompt_ids for s in mine],
                     [s.response_ids for s in mine],
                     mine[0].temperature,  # the engine's: the request carried it
                     entropy_grad=tc.entropy_coef != 0,
                 )
+                mask = model_token_mask(mine, logp)
                 engine = engine_logprobs(mine, logp)
                 old = self._recomputed(mine) if recomputes(tc) else engine
                 adv = torch.from_numpy(group.advantages[self.rank :: self.world].astype("float32"))
