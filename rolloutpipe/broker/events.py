@@ -109,6 +109,9 @@ class RolloutRequest(Event):
     # An episode's continuation: which prefix tokens are the model's (1) and which a tool's (0);
     # empty: all the model's.  Its completed turns' tool results are in the prefix, never re-called.
     prefix_mask: UInt8Array = Field(default_factory=lambda: np.zeros(0, np.uint8))
+    # Token ids that end a turn besides EOS (an episode's tool-call end): the engine stops after
+    # generating one, keeps it in the response, and says "stop".
+    stop_token_ids: list[int] = Field(default_factory=list)
     segment: int = Field(default=0, ge=0)
     origin: str = ""
     admitted_at: float = 0.0
@@ -347,6 +350,12 @@ class StepMetrics(Event):
     # responses whose verifier raised or timed out, scored 0 (a reclaimed request may count twice)
     verifier_errors: int = 0
     verifier_timeouts: int = 0
+    # episodes (task.tools): the calls the step's trained samples made, and the tool failures of the
+    # step's episodes (a raise, a malformed or unknown call; a timeout; output cut or not text)
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_timeouts: int = 0
+    tool_bad_output: int = 0
     minibatches: list[list[str]] = Field(default_factory=list)
     # indices into ``minibatches`` of those that took no optimizer step (``trainer.flat_minibatch``)
     flat_minibatches: list[int] = Field(default_factory=list)

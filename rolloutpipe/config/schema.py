@@ -81,6 +81,16 @@ class TaskConfig(_Section):
     # ``rolloutpipe run`` warns on every step where at least half the trained samples' verifier
     # raised or timed out (scored 0), and stops the run where that share reaches this (None: never)
     verifier_failure_stop: float | None = Field(default=None, gt=0.0, le=1.0)
+    # Multi-turn episodes (docs/agents.md): the tools a response may call (dotted paths to tools,
+    # ``rolloutpipe/agents/tools.py``); none: single-turn.  ``tool_format`` is how a call is written
+    # and its result read back (``rolloutpipe/agents/formats.py``: ``hermes`` for Qwen3's template,
+    # ``arith`` for the tiny model's digits, or a dotted path); an episode has at most ``max_turns``
+    # model turns (so ``max_turns - 1`` calls) within ``rollout.max_new_tokens`` tokens in all, tool
+    # results included; a result longer than ``max_tool_chars`` characters is cut there.
+    tools: list[str] = Field(default_factory=list)
+    tool_format: str = "hermes"
+    max_turns: int = Field(default=4, ge=1)
+    max_tool_chars: int = Field(default=512, ge=16)
     # Extra keyword arguments for a verl ``compute_score`` (verl's ``reward_kwargs``), or the fields of
     # the ``args`` namespace a slime reward function receives.
     reward_args: dict[str, Any] = Field(default_factory=dict)

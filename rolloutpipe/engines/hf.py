@@ -153,6 +153,7 @@ class TransformersEngine:
                 eos,
                 pick,
                 self._should_stop(slots),
+                [set(r.stop_token_ids) for r in reqs],
             )
         finally:
             with self._mu:
@@ -166,7 +167,8 @@ class TransformersEngine:
             if slots[i].preempted:
                 reason = "preempted"
             else:
-                reason = "stop" if len(ids_i) and ids_i[-1] == eos else "length"
+                ends = {eos, *r.stop_token_ids}
+                reason = "stop" if len(ids_i) and int(ids_i[-1]) in ends else "length"
             out.append(Generation(prompts[i], ids_i, lps_i, self.codec.decode(ids_i), reason))
         return out
 

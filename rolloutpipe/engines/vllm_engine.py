@@ -196,7 +196,7 @@ class VllmEngine:
             seed=continuation_seed(req.seed, resumed),
             max_tokens=req.max_new_tokens - resumed,
             logprobs=0,
-            stop_token_ids=[self.codec.eos_token_id],
+            stop_token_ids=[self.codec.eos_token_id, *req.stop_token_ids],
             detokenize=False,
             output_kind=sp.RequestOutputKind.FINAL_ONLY,
         )

@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -175,10 +175,12 @@ def decode_batch(
     eos: int,
     pick: PickToken,
     should_stop: Callable[[int, bool], bool] | None = None,
+    stop_ids: Sequence[Collection[int]] = (),
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Autoregressive decoding of a batch, without a KV cache (the model is tiny): ``pick(i, t, logits)``
     chooses request i's token number t (0-based, in this call) from its last logits and returns it
-    with its logprob.  A request stops at EOS or after ``max_new[i]`` tokens.  ``should_stop(i, last)``
+    with its logprob.  A request stops at EOS, at one of ``stop_ids[i]`` (kept, like EOS), or after
+    ``max_new[i]`` tokens.  ``should_stop(i, last)``
     (``last``: the token just picked would end the request) is asked, possibly from another thread's
     flag, before each picked token is kept: True drops that token and stops request i with the tokens
     it had (a preemption); the rest of the batch goes on.  Returns the token ids and their logprobs."""
@@ -195,7 +197,7 @@ def decode_batch(
             still = []
             for row, i in enumerate(active):
                 tok, lp = pick(i, len(resp[i]), logits[row, len(seqs[row]) - 1])
-                last = tok == eos or len(resp[i]) + 1 >= max_new[i]
+                last = tok == eos or len(resp[i]) + 1 >= max_new[i] or (bool(stop_ids) and tok in stop_ids[i])
                 if should_stop is not None and should_stop(i, last):
                     continue
                 resp[i].append(tok)

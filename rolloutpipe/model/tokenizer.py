@@ -41,6 +41,10 @@ class Tokenizer(Protocol):
 
     def encode_prompt(self, text: str, messages: Sequence[Mapping[str, str]] = ()) -> np.ndarray: ...
 
+    def encode_text(self, text: str) -> np.ndarray:
+        """``text`` as it continues a sequence: no BOS, no template (an episode's tool result)."""
+        ...
+
     def decode(self, ids: np.ndarray) -> str: ...
 
 
@@ -57,6 +61,10 @@ class CharTokenizer:
             return np.asarray([BOS] + [self.ids[c] for c in text], dtype=np.int32)
         except KeyError as e:
             raise ValueError(f"character {e.args[0]!r} is not in the vocabulary") from e
+
+    def encode_text(self, text: str) -> np.ndarray:
+        """Each character's id; one outside the vocabulary is dropped (a tool's output)."""
+        return np.asarray([self.ids[c] for c in text if c in self.ids], dtype=np.int32)
 
     def decode(self, ids: np.ndarray) -> str:
         return "".join(VOCAB[int(i)] for i in ids if int(i) > EOS)
@@ -84,6 +92,9 @@ class HFTokenizer:
         else:
             ids = self.tok(text, add_special_tokens=True)["input_ids"]
         return np.asarray(ids, dtype=np.int32)
+
+    def encode_text(self, text: str) -> np.ndarray:
+        return np.asarray(self.tok(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
 
     def decode(self, ids: np.ndarray) -> str:
         text: str = self.tok.decode([int(i) for i in ids], skip_special_tokens=True)

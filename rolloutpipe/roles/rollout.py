@@ -36,6 +36,7 @@ from rolloutpipe.engines import Engine, make_engine
 from rolloutpipe.engines.base import Generation
 from rolloutpipe.errors import ConfigError, WeightsFetchError, WeightsVerificationError
 from rolloutpipe.model.fetch import make_fetcher
+from rolloutpipe.roles.episode import Agent, Episode, run_episode
 from rolloutpipe.runtime import close_client, wait_event
 from rolloutpipe.scheduling import migration
 from rolloutpipe.tasks.reward import ScoreInput, Scorer
@@ -57,6 +58,7 @@ class RolloutWorker:
         self.engine = engine
         self.id = worker_id
         self.scorer = Scorer(cfg.task)
+        self.agent = make_agent(cfg)  # None: single-turn requests
         self.version = -1
         self.inflight: dict[str, asyncio.Task[None]] = {}
         self.inflight_reqs: dict[str, tuple[Entry, RolloutRequest]] = {}
@@ -231,12 +233,15 @@ class RolloutWorker:
             if self.leaving:  # read as this worker left its run, never started here: handed back
                 await self.hand_back(entry, req, None, admitted)
                 return
-            gen = await self.engine.generate(req)
-            if self.version != req.policy_version:
+            ep = None if self.agent is None else await run_episode(self.engine, req, self.agent)
+            gen = await self.engine.generate(req) if ep is None else ep.gen
+            if self.version != req.policy_version:  # every turn of an episode too: dropped whole
                 await self.drop(entry, req, f"weights changed to {self.version} during generation")
                 return
+            if ep is not None:
+                await self.count_tools(ep, req.step)
             if gen.finish_reason == "preempted":
-                await self.hand_back(entry, req, gen, admitted)
+                await self.hand_back(entry, req, gen, admitted, ep)
                 return
             score = await self.scorer.score(
                 ScoreInput(gen.text, req.answer, req.prompt, req.data_source, req.extra_info)
@@ -268,6 +273,11 @@ class RolloutWorker:
                 finished_at=time.time(),
                 segments=req.segment + 1,
                 kv_preempted_at=list(gen.kv_preempted_at),
+                **(
+                    {}
+                    if ep is None
+                    else {"loss_mask": ep.loss_mask, "turns": ep.turns, "tool_calls": ep.tool_calls}
+                ),
             )
             await self.b.publish_sample(sample, entry.id, origin=req.origin)
             self.samples += 1
@@ -299,15 +309,31 @@ class RolloutWorker:
             self.slot_freed.set()
             metrics.INFLIGHT.set(len(self.inflight))
 
+    async def count_tools(self, ep: Episode, step: int) -> None:
+        """An episode's tool failures, by kind, in the run's and the step's stats."""
+        kinds = {"tool_errors": sum(r.outcome in ("error", "unknown") for r in ep.results),
+                 "tool_timeouts": sum(r.outcome == "timeout" for r in ep.results),
+                 "tool_bad_output": sum(r.truncated or r.bad_output for r in ep.results)}  # fmt: skip
+        for name, n in kinds.items():
+            if n:
+                await self.b.incr(name, step=step, by=n)
+
     async def hand_back(
-        self, entry: Entry, req: RolloutRequest, gen: Generation | None, admitted: float
+        self,
+        entry: Entry,
+        req: RolloutRequest,
+        gen: Generation | None,
+        admitted: float,
+        ep: Episode | None = None,
     ) -> None:
         """A preempted request back on ``requests`` as its continuation (``Broker.migrate``); ``gen``
-        None: one that never reached the engine, its continuation with nothing decoded here."""
+        None: one that never reached the engine, its continuation with nothing decoded here.  An
+        episode's continuation carries its loss mask: the tool results in its prefix stay tools'."""
         cont = req.model_copy(
             update={
                 "prefix_ids": req.prefix_ids if gen is None else gen.response_ids,
                 "prefix_logprobs": req.prefix_logprobs if gen is None else gen.logprobs,
+                "prefix_mask": req.prefix_mask if ep is None else ep.loss_mask,
                 "segment": req.segment + 1,
                 "origin": req.origin or entry.id,
                 "admitted_at": req.admitted_at or admitted,
@@ -487,6 +513,23 @@ class RolloutWorker:
             if self.fetcher is not None:
                 await self.fetcher.close()
         return 0
+
+
+def make_agent(cfg: Config) -> Agent | None:
+    """The tools, their format and the tokenizer of ``task.tools``; None when the task has none."""
+    if not cfg.task.tools:
+        return None
+    from rolloutpipe.agents import formats
+    from rolloutpipe.agents.tools import load_toolbox
+    from rolloutpipe.model.lm import tokenizer_for
+    from rolloutpipe.plugins import import_string
+
+    name = cfg.task.tool_format
+    fmt = getattr(formats, name, None) if "." not in name and ":" not in name else import_string(name)
+    if fmt is None or not hasattr(fmt, "call_end"):
+        raise ConfigError(f"task.tool_format: {name!r} is not a tool format (hermes, arith or a dotted path)")
+    box = load_toolbox(cfg.task.tools, cfg.task.max_tool_chars)
+    return Agent(box, fmt, tokenizer_for(cfg.model), cfg.task.max_turns)
 
 
 def load_report_s(cfg: Config) -> float:

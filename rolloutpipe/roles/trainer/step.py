@@ -357,6 +357,7 @@ class StepClock:
     rewards: list[float] = field(default_factory=list)
     samples: int = 0
     tokens: int = 0
+    tool_calls: int = 0  # the episodes' (task.tools)
     train_stats: list[dict[str, float]] = field(default_factory=list)  # one per optimizer step
 
     def observe(self, g: Group, read_at: float) -> None:
@@ -392,6 +393,7 @@ class StepClock:
         self.rewards.extend(s.reward for s in g.samples)
         self.samples += len(g.samples)
         self.tokens += sum(len(s.response_ids) for s in g.samples)
+        self.tool_calls += sum(s.tool_calls for s in g.samples)
 
     async def compute(self, fn: Callable[..., R], *args: Any) -> tuple[R, float]:
         """``fn(*args)`` in a worker thread, timed: one busy interval of the timeline, and busy time
@@ -469,6 +471,10 @@ async def measure(
         groups_skipped=await b.stat("groups_skipped", step),
         verifier_errors=await b.stat("verifier_errors", step),
         verifier_timeouts=await b.stat("verifier_timeouts", step),
+        tool_calls=clock.tool_calls,
+        tool_errors=await b.stat("tool_errors", step),
+        tool_timeouts=await b.stat("tool_timeouts", step),
+        tool_bad_output=await b.stat("tool_bad_output", step),
         samples_wasted=max(0, await b.released_count(step) - clock.samples),
         train_busy_s=clock.busy,
         rollout_makespan_s=clock.rollout_end - clock.step_start,
