@@ -1,4 +1,5 @@
-"""Multi-turn episodes through real role processes: the tiny model, the calculator, the trainer.
+"""Multi-turn episodes through real role processes: the tiny model, the calculator, the trainer;
+and a rollout worker SIGKILLed while its episodes are in flight.
 
 The untrained tiny model writes ``=`` about one token in eighteen, so with ``tool_format: arith``
 its responses call the calculator often.  Read back from ``groups.msgpack`` (what the trainer
@@ -17,12 +18,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 
 from rolloutpipe.agents.tools import evaluate
-from rolloutpipe.broker.codec import iter_events
-from rolloutpipe.broker.events import Group
+from rolloutpipe.broker.codec import DEFAULT_CODEC, iter_events
+from rolloutpipe.broker.events import Group, RolloutRequest
+from rolloutpipe.broker.keys import DATA, Keys
 from rolloutpipe.launch.cluster import run_cluster
 from rolloutpipe.model.tokenizer import CharTokenizer
+from tests.support.cluster import Driver, assert_exactly_once, start_cluster, stop_cluster
 from tests.support.config import make_config
 
 pytestmark = pytest.mark.slow
@@ -86,3 +90,58 @@ def test_episodes_train_on_the_models_tokens_only(
     assert all(m.fence_rejections == 0 for m in ms)
     rows = [json.loads(x) for x in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
     assert [r["tool_calls"] for r in rows] == [m.tool_calls for m in ms]
+
+
+def test_a_worker_killed_mid_episode_loses_nothing_and_repeats_nothing(
+    tmp_path: Path,
+    run_name: str,
+    redis_url: str,
+    model_cache: str,
+    sr: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each call takes 1 s and marks a file while it runs; the worker is killed inside a call
+    of step 1 or later, so mid-episode.  Its pending requests are redone by the survivor, each
+    trained once, every step complete."""
+    cfg = make_config(
+        tmp_path, run_name, f"model.cache_dir={model_cache}", "controller.steps=4",
+        "controller.prompts_per_step=8", "controller.group_size=8", "controller.minibatches=2",
+        "rollout.max_new_tokens=12", 'task.tools=["tests.support.slow_tools:slow_calculator"]',
+        "task.tool_format=arith", "task.max_turns=3", "redis.trim=false",
+    )  # fmt: skip
+    keys = Keys(run_name)
+    victim, survivor = f"{run_name}-w0", f"{run_name}-w1"
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    monkeypatch.setenv("SLOW_TOOL_MARKS", str(marks))
+    cluster = start_cluster(cfg, redis_url)
+    try:
+        d = Driver(cluster, sr)
+        proc = next(rp for rp in cluster.procs if rp.name == "rollout-0")
+
+        def victim_in_a_call() -> bool:
+            return sr.exists(keys.plan(1)) > 0 and any(marks.glob(f"{proc.proc.pid}-*"))
+
+        d.until(victim_in_a_call, 90, f"{victim} inside a tool call in step 1 or later")
+        d.kill(proc)
+        assert any(marks.glob(f"{proc.proc.pid}-*"))  # killed before the call returned
+        stranded = {
+            DEFAULT_CODEC.decode_as(sr.xrange(keys.requests, p["message_id"], p["message_id"])[0][1][DATA],
+                                    RolloutRequest).request_id
+            for p in sr.xpending_range(keys.requests, "rollout", min="-", max="+", count=10_000,
+                                       consumername=victim)
+        }  # fmt: skip
+        assert stranded, "the killed worker had nothing in flight"
+        d.finish(120)
+        groups = assert_exactly_once(sr, cfg, d.metrics)
+        by_id = Counter(s.sample_id for g in groups for s in g.samples)
+        workers = {s.sample_id: s.worker for g in groups for s in g.samples}
+        for rid in stranded:
+            assert by_id[rid] == 1 and workers[rid] == survivor, rid
+        assert sum(m.tool_calls for m in d.metrics) > 0  # the run did call its tools
+        for g in groups:
+            for s in g.samples:
+                assert s.policy_version == g.step
+                assert not len(s.loss_mask) or len(s.loss_mask) == len(s.response_ids)
+    finally:
+        stop_cluster(cluster, sr)
