@@ -6,7 +6,8 @@ its responses call the calculator often.  Read back from ``groups.msgpack`` (wha
 trained), independently of the worker's code: every tool run follows a ``=`` and holds the value
 of the expression before it (or nothing, where the calculator refused it), with mask 0 and
 logprob 0; every sample is from its step's weights; each group is trained once; and the step's
-``tool_calls`` is the sum of its samples'.
+``tool_calls`` is the sum of its samples'; and the trainer's version-k logprobs match the
+engine's on every model turn.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def test_episodes_train_on_the_models_tokens_only(
         "controller.prompts_per_step=8", "controller.group_size=8", "controller.minibatches=2",
         "rollout.max_new_tokens=12", 'task.tools=["rolloutpipe.agents.tools:calculator"]',
         "task.tool_format=arith", "task.max_turns=3", "trainer.record_groups=true",
+        "trainer.old_logprobs=recompute",
     )  # fmt: skip
     ms = run_cluster(cfg, redis_url, Path(cfg.out), progress=False, timeout_s=240)
     assert [m.step for m in ms] == list(range(STEPS))
@@ -90,6 +92,9 @@ def test_episodes_train_on_the_models_tokens_only(
     assert all(m.fence_rejections == 0 for m in ms)
     rows = [json.loads(x) for x in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
     assert [r["tool_calls"] for r in rows] == [m.tool_calls for m in ms]
+    # every model turn's logprobs are version k's: the trainer's frozen version-k copy gives the same
+    # on the model's tokens (a tool token's 0 would be off by its whole logprob, were it not masked)
+    assert all(r["train"]["logprob_mismatch"] < 1e-4 for r in rows), [r["train"] for r in rows]
 
 
 def test_a_worker_killed_mid_episode_loses_nothing_and_repeats_nothing(
