@@ -116,11 +116,16 @@ class Keys:
         continuation (each entry at most once: ``Broker.migrate``)."""
         return f"{self.prefix}migrated:{step}"
 
+    def tool_calls(self, step: int) -> str:
+        """Hash ``<request origin>:<call index>`` -> the results an episode's call got (JSON), so
+        a redone episode replays them instead of calling its tools again (``roles/episode.py``)."""
+        return f"{self.prefix}toolcalls:{step}"
+
     def step_keys(self, step: int) -> list[str]:
         """Every per-step key (trimmed once the step is old)."""
         return [self.plan(step), self.emitted(step), self.released(step), self.released_ids(step),
                 self.finished(step), self.finished_ids(step), self.consumed(step), self.alloc(step),
-                self.closed(step), self.ops(step), self.migrated(step)]  # fmt: skip
+                self.closed(step), self.ops(step), self.migrated(step), self.tool_calls(step)]  # fmt: skip
 
     def heartbeat(self, worker: str) -> str:
         return f"{self.prefix}worker:{worker}"

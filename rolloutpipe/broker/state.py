@@ -185,6 +185,16 @@ class StepState:
         op.xadd(self.sample_stream(sample.group_id), self.encode(sample))
         await op.cmd("INCRBY", k.finished(sample.step), 1).execute()
 
+    async def tool_results(self, step: int, call: str) -> list[list[Any]] | None:
+        """The results recorded for an episode's call ``call`` (``<origin>:<index>``), or None."""
+        raw = await self.r.hget(self.keys.tool_calls(step), call)
+        return None if raw is None else list(json.loads(raw))
+
+    async def record_tool_results(self, step: int, call: str, results: list[list[Any]]) -> None:
+        """Record a call's results before the episode goes on with them (one HSET: a redo of the
+        episode reads them back; a worker killed before this line calls the tool again)."""
+        await self.r.hset(self.keys.tool_calls(step), call, json.dumps(results))
+
     async def migrate(self, request_entry: str, cont: RolloutRequest) -> str:
         """Put a preempted request back on ``requests`` as its continuation ``cont``, once.
 

@@ -9,12 +9,16 @@ everything after the prompt; ``loss_mask`` marks the tools' tokens 0 and their l
 
 Preempted mid-turn (long-tail migration, a worker leaving), the episode goes back as a
 continuation whose prefix (tool results included, with ``prefix_mask``) is resumed where it
-stopped: a completed tool call is in that prefix and is never called again.
+stopped: a completed tool call is in that prefix and is never called again.  Redone from its start
+after its worker died, an episode replays the calls a :class:`CallLog` recorded (keyed by where in
+the response the call ended, which a replay reaches with the same tokens): a call is made again
+only if its worker died while it ran, before its result was recorded.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -35,6 +39,14 @@ class Episode:
     turns: list[int]  # where each model turn starts in the response
     tool_calls: int = 0
     results: list[ToolResult] = field(default_factory=list)  # this segment's, in order
+
+
+class CallLog(Protocol):
+    """Where an episode's calls are recorded, by the response offset at which each call ended."""
+
+    async def get(self, offset: int) -> list[ToolResult] | None: ...
+
+    async def put(self, offset: int, results: list[ToolResult]) -> None: ...
 
 
 @dataclass
@@ -61,7 +73,9 @@ def _turn_starts(mask: np.ndarray) -> list[int]:
     return [i for i in range(len(mask)) if mask[i] == 1 and (i == 0 or mask[i - 1] == 0)] or [0]
 
 
-async def run_episode(engine: Engine, req: RolloutRequest, agent: Agent) -> Episode:
+async def run_episode(
+    engine: Engine, req: RolloutRequest, agent: Agent, log: CallLog | None = None
+) -> Episode:
     """The episode of ``req`` from where its prefix stops (nothing, for a new one)."""
     ids = np.asarray(req.prefix_ids, np.int32)
     lps = np.asarray(req.prefix_logprobs, np.float32)
@@ -79,12 +93,17 @@ async def run_episode(engine: Engine, req: RolloutRequest, agent: Agent) -> Epis
         called = gen.finish_reason == "stop" and len(ids) and int(ids[-1]) == agent.call_end_id
         if not called or calls >= agent.max_turns - 1 or len(ids) >= req.max_new_tokens:
             return _done(gen, ids, lps, mask, calls, results)
-        text = agent.tokenizer.decode(ids[turn_start:])
-        parsed = agent.fmt.parse(text)
-        if isinstance(parsed, str):  # a call the model got wrong: the message is the result
-            out = [ToolResult(parsed, "error")]
+        recorded = None if log is None else await log.get(len(ids))
+        if recorded is not None:  # this call was made before the episode was redone: its results
+            out = recorded
         else:
-            out = [await agent.tools.call(c.name, c.arguments) for c in parsed]
+            parsed = agent.fmt.parse(agent.tokenizer.decode(ids[turn_start:]))
+            if isinstance(parsed, str):  # a call the model got wrong: the message is the result
+                out = [ToolResult(parsed, "error")]
+            else:
+                out = [await agent.tools.call(c.name, c.arguments) for c in parsed]
+            if log is not None:
+                await log.put(len(ids), out)
         calls += 1
         results += out
         tool_ids = agent.tokenizer.encode_text(agent.fmt.render(out))[: req.max_new_tokens - len(ids)]

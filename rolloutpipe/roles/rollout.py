@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterable
 
 from rolloutpipe import metrics
+from rolloutpipe.agents.tools import ToolResult
 from rolloutpipe.broker.connect import connect
 from rolloutpipe.broker.events import RolloutRequest, Sample
 from rolloutpipe.broker.keys import Groups
@@ -233,7 +234,8 @@ class RolloutWorker:
             if self.leaving:  # read as this worker left its run, never started here: handed back
                 await self.hand_back(entry, req, None, admitted)
                 return
-            ep = None if self.agent is None else await run_episode(self.engine, req, self.agent)
+            record = BrokerCallLog(self.b, req.step, req.origin or entry.id)
+            ep = None if self.agent is None else await run_episode(self.engine, req, self.agent, record)
             gen = await self.engine.generate(req) if ep is None else ep.gen
             if self.version != req.policy_version:  # every turn of an episode too: dropped whole
                 await self.drop(entry, req, f"weights changed to {self.version} during generation")
@@ -513,6 +515,21 @@ class RolloutWorker:
             if self.fetcher is not None:
                 await self.fetcher.close()
         return 0
+
+
+class BrokerCallLog:
+    """An episode's calls recorded in ``toolcalls:{k}``, under its request's first entry id."""
+
+    def __init__(self, b: Broker, step: int, origin: str) -> None:
+        self.b, self.step, self.origin = b, step, origin
+
+    async def get(self, offset: int) -> list[ToolResult] | None:
+        rows = await self.b.tool_results(self.step, f"{self.origin}:{offset}")
+        return None if rows is None else [ToolResult(t, o, bool(c), bool(x)) for t, o, c, x in rows]
+
+    async def put(self, offset: int, results: list[ToolResult]) -> None:
+        rows = [[r.text, r.outcome, r.truncated, r.bad_output] for r in results]
+        await self.b.record_tool_results(self.step, f"{self.origin}:{offset}", rows)
 
 
 def make_agent(cfg: Config) -> Agent | None:

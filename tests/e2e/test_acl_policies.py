@@ -36,3 +36,22 @@ def test_a_policy_that_draws_from_the_dataset_stream_runs_under_the_role_users(
     assert "NoPermissionError" not in logs
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
+
+
+def test_episodes_record_their_tool_calls_under_the_role_users(tmp_path: Path) -> None:
+    """A worker records each call of an episode in ``toolcalls:{k}`` as the ``rollout`` user; the
+    controller trims those keys with the other per-step keys."""
+    out = tmp_path / "episodes"
+    p = subprocess.run(
+        [sys.executable, "-m", "rolloutpipe", "run", "configs/demo.yaml", "--steps", "3", "--out", str(out),
+         "--no-progress", "--max-restarts", "0", "controller.prompts_per_step=8",
+         "controller.group_size=8", "controller.minibatches=2", "rollout.max_new_tokens=12",
+         'task.tools=["rolloutpipe.agents.tools:calculator"]', "task.tool_format=arith",
+         "redis.keep_steps=1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    logs = "\n".join(f.read_text()[-1500:] for f in sorted((out / "logs").glob("*.log")))
+    assert p.returncode == 0, p.stderr[-2000:] + logs
+    assert "NoPermissionError" not in logs
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and sum(r["tool_calls"] for r in rows) > 0

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from rolloutpipe.agents.formats import arith, hermes
-from rolloutpipe.agents.tools import Toolbox, calculator, tool
+from rolloutpipe.agents.tools import Toolbox, ToolResult, calculator, tool
 from rolloutpipe.broker.events import RolloutRequest
 from rolloutpipe.engines.base import Generation
 from rolloutpipe.errors import ConfigError
@@ -157,3 +157,39 @@ def test_hermes_parses_calls_and_says_what_is_wrong() -> None:
 def test_a_call_end_of_several_tokens_is_refused() -> None:
     with pytest.raises(ConfigError, match="must be one"):
         Agent(Toolbox({}), hermes, TOK, 4)  # "</tool_call>" is no token of the character vocabulary
+
+
+class DictLog:
+    """A call log in a dict, as ``toolcalls:{k}`` holds it for one request."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, list[ToolResult]] = {}
+
+    async def get(self, offset: int) -> list[ToolResult] | None:
+        return self.rows.get(offset)
+
+    async def put(self, offset: int, results: list[ToolResult]) -> None:
+        self.rows[offset] = results
+
+
+def test_a_redone_episode_replays_its_recorded_calls() -> None:
+    """A worker dies after the first call; the episode, redone from the start elsewhere, reads
+    that call's result from the log instead of calling the tool again, and comes out the same."""
+    calls = 0
+
+    @tool("counts its calls", {"type": "object", "properties": {"expression": {"type": "string"}}},
+          name="calculator", idempotent=False)  # fmt: skip
+    async def counting(expression: str) -> str:
+        nonlocal calls
+        calls += 1
+        return str(eval(expression))  # the test's own expressions
+
+    log = DictLog()
+    asyncio.run(run_episode(Scripted("1+1= 2+2= 4", preempt_at=7), _req(), _agent(calculator=counting), log))
+    assert calls == 1 and sorted(log.rows) == [4]  # the first call ended at offset 4 ("1+1=")
+    redo = asyncio.run(run_episode(Scripted("1+1= 2+2= 4"), _req(), _agent(calculator=counting), log))
+    assert calls == 2  # only the second call, which the dead worker never made
+    assert sorted(log.rows) == [4, 10]
+    whole = run(Scripted("1+1= 2+2= 4"), _req(), _agent())
+    assert redo.gen.response_ids.tolist() == whole.gen.response_ids.tolist()
+    assert redo.loss_mask.tolist() == whole.loss_mask.tolist() and redo.tool_calls == 2
