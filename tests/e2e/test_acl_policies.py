@@ -19,16 +19,12 @@ from tests.support.config import EMULATED_FAST, ROOT
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("policy", ["dynamic-sampling", "pilot-commit", "vigor"])
-def test_a_policy_that_draws_from_the_dataset_stream_runs_under_the_role_users(
-    tmp_path: Path, policy: str
-) -> None:
-    out = tmp_path / policy
+def run_under_role_users(out: Path, *overrides: str) -> list[dict[str, object]]:
+    """``rolloutpipe run`` of 3 steps, each role as its ACL user, no restarts: its metrics rows."""
     p = subprocess.run(
         [sys.executable, "-m", "rolloutpipe", "run", "configs/demo.yaml", "--steps", "3", "--out", str(out),
-         "--no-progress", "--max-restarts", "0", *EMULATED_FAST, f"controller.policy={policy}",
-         "controller.prompts_per_step=8", "controller.group_size=8", "controller.minibatches=2",
-         "controller.max_rollouts=100000"],
+         "--no-progress", "--max-restarts", "0", "controller.prompts_per_step=8", "controller.group_size=8",
+         "controller.minibatches=2", *overrides],
         cwd=ROOT, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     logs = "\n".join(f.read_text()[-1500:] for f in sorted((out / "logs").glob("*.log")))
@@ -36,22 +32,21 @@ def test_a_policy_that_draws_from_the_dataset_stream_runs_under_the_role_users(
     assert "NoPermissionError" not in logs
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
+    return rows
+
+
+@pytest.mark.parametrize("policy", ["dynamic-sampling", "pilot-commit", "vigor"])
+def test_a_policy_that_draws_from_the_dataset_stream_runs_under_the_role_users(
+    tmp_path: Path, policy: str
+) -> None:
+    run_under_role_users(tmp_path / policy, *EMULATED_FAST, f"controller.policy={policy}",
+                         "controller.max_rollouts=100000")  # fmt: skip
 
 
 def test_episodes_record_their_tool_calls_under_the_role_users(tmp_path: Path) -> None:
     """A worker records each call of an episode in ``toolcalls:{k}`` as the ``rollout`` user; the
     controller trims those keys with the other per-step keys."""
-    out = tmp_path / "episodes"
-    p = subprocess.run(
-        [sys.executable, "-m", "rolloutpipe", "run", "configs/demo.yaml", "--steps", "3", "--out", str(out),
-         "--no-progress", "--max-restarts", "0", "controller.prompts_per_step=8",
-         "controller.group_size=8", "controller.minibatches=2", "rollout.max_new_tokens=12",
-         'task.tools=["rolloutpipe.agents.tools:calculator"]', "task.tool_format=arith",
-         "redis.keep_steps=1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
-    logs = "\n".join(f.read_text()[-1500:] for f in sorted((out / "logs").glob("*.log")))
-    assert p.returncode == 0, p.stderr[-2000:] + logs
-    assert "NoPermissionError" not in logs
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2] and sum(r["tool_calls"] for r in rows) > 0
+    tools = 'task.tools=["rolloutpipe.agents.tools:calculator"]'
+    rows = run_under_role_users(tmp_path / "episodes", "rollout.max_new_tokens=12", "task.tool_format=arith",
+                                tools, "redis.keep_steps=1")  # fmt: skip
+    assert sum(int(str(r["tool_calls"])) for r in rows) > 0

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from rolloutpipe.agents.formats import arith, hermes
-from rolloutpipe.agents.tools import Toolbox, ToolResult, calculator, tool
+from rolloutpipe.agents.tools import Toolbox, ToolResult, calculator
 from rolloutpipe.broker.events import RolloutRequest
 from rolloutpipe.engines.base import Generation
 from rolloutpipe.errors import ConfigError
@@ -102,20 +102,28 @@ def test_the_budget_counts_the_tools_tokens() -> None:
     assert ep.loss_mask.tolist() == [1] * 6 + [0] * 2
 
 
-def test_a_preempted_episode_resumes_token_for_token_without_calling_again() -> None:
-    calls = 0
+class Counting:
+    """A calculator (non-idempotent, as far as the episode knows) that counts its calls."""
 
-    @tool("counts its calls", {"type": "object", "properties": {"expression": {"type": "string"}}},
-          name="calculator", idempotent=False)  # fmt: skip
-    async def counting(expression: str) -> str:
-        nonlocal calls
-        calls += 1
-        return str(eval(expression))  # the test's own expressions
+    spec = calculator.spec
+    timeout_s = 5.0
+    idempotent = False
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def __call__(self, expression: str) -> str:
+        self.calls += 1
+        return await calculator(expression=expression)
+
+
+def test_a_preempted_episode_resumes_token_for_token_without_calling_again() -> None:
+    counting = Counting()
 
     whole = run(Scripted("12*34= 408"), _req(), _agent(calculator=counting))
-    assert calls == 1
+    assert counting.calls == 1
     first = run(Scripted("12*34= 408", preempt_at=8), _req(), _agent(calculator=counting))
-    assert first.gen.finish_reason == "preempted" and calls == 2  # the call was made, then preempted
+    assert first.gen.finish_reason == "preempted" and counting.calls == 2  # the call was made, then preempted
     g = first.gen
     cont = _req().model_copy(
         update={
@@ -127,7 +135,7 @@ def test_a_preempted_episode_resumes_token_for_token_without_calling_again() -> 
         }
     )
     rest = run(Scripted("12*34= 408"), cont, _agent(calculator=counting))
-    assert calls == 2  # its result was in the prefix: not called again
+    assert counting.calls == 2  # its result was in the prefix: not called again
     assert rest.gen.response_ids.tolist() == whole.gen.response_ids.tolist()
     assert rest.loss_mask.tolist() == whole.loss_mask.tolist() and rest.turns == whole.turns
     assert rest.gen.logprobs.tolist() == whole.gen.logprobs.tolist()
@@ -175,20 +183,13 @@ class DictLog:
 def test_a_redone_episode_replays_its_recorded_calls() -> None:
     """A worker dies after the first call; the episode, redone from the start elsewhere, reads
     that call's result from the log instead of calling the tool again, and comes out the same."""
-    calls = 0
-
-    @tool("counts its calls", {"type": "object", "properties": {"expression": {"type": "string"}}},
-          name="calculator", idempotent=False)  # fmt: skip
-    async def counting(expression: str) -> str:
-        nonlocal calls
-        calls += 1
-        return str(eval(expression))  # the test's own expressions
+    counting = Counting()
 
     log = DictLog()
     asyncio.run(run_episode(Scripted("1+1= 2+2= 4", preempt_at=7), _req(), _agent(calculator=counting), log))
-    assert calls == 1 and sorted(log.rows) == [4]  # the first call ended at offset 4 ("1+1=")
+    assert counting.calls == 1 and sorted(log.rows) == [4]  # the first call ended at offset 4 ("1+1=")
     redo = asyncio.run(run_episode(Scripted("1+1= 2+2= 4"), _req(), _agent(calculator=counting), log))
-    assert calls == 2  # only the second call, which the dead worker never made
+    assert counting.calls == 2  # only the second call, which the dead worker never made
     assert sorted(log.rows) == [4, 10]
     whole = run(Scripted("1+1= 2+2= 4"), _req(), _agent())
     assert redo.gen.response_ids.tolist() == whole.gen.response_ids.tolist()
