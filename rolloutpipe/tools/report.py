@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -257,6 +258,8 @@ def write_html_report(run_dir: Path) -> dict[str, Path]:
     """Write the pictures and ``report.html`` into ``run_dir``; returns what was written."""
     metrics, timeline = load_run(run_dir)
     steps_png = plot_steps(metrics, run_dir)
+    # a step that trained no group (dynamic sampling out of refills) has no span on the axis
+    timeline = [r for r in timeline if math.isfinite(r["step_start"]) and math.isfinite(r["train_end"])]
     timeline_png = plot_timeline(timeline, run_dir) if timeline else None
     page = run_dir / "report.html"
     page.write_text(render_html(run_dir, metrics, steps_png, timeline_png))

@@ -51,6 +51,22 @@ def test_report_writes_pictures_and_one_self_contained_page(tmp_path: Path) -> N
     assert "<td>4</td>" in page  # the last step's row
 
 
+def test_steps_that_trained_no_group_are_left_off_the_timeline(tmp_path: Path) -> None:
+    """Dynamic sampling out of refills trains no group: the step's start is +inf (no sample
+    started it).  A run of only such steps once made the axis limit NaN, and ``rolloutpipe run``
+    ended with a traceback after the run."""
+    run = _fake_run(tmp_path / "run")
+    recs = [json.loads(x) for x in (run / "timeline.jsonl").read_text().splitlines()]
+    with (run / "timeline.jsonl").open("a") as tl:
+        tl.write(json.dumps({**recs[0], "step": 5, "step_start": float("inf"), "groups": []}) + "\n")
+    assert write_html_report(run)["timeline_png"].stat().st_size > 5000  # the other steps drawn
+    (run / "timeline.jsonl").write_text(
+        "".join(json.dumps({**r, "step_start": float("inf"), "groups": []}) + "\n" for r in recs)
+    )
+    out = write_html_report(run)
+    assert "timeline_png" not in out and out["html"].exists()
+
+
 def test_report_without_timeline_says_how_to_get_one(tmp_path: Path) -> None:
     out = write_html_report(_fake_run(tmp_path / "run", timeline=False))
     assert "timeline_png" not in out
