@@ -15,7 +15,8 @@ import pytest
 from rolloutpipe.bench.allocation import run_allocation
 from rolloutpipe.broker.embedded import EmbeddedRedis
 
-pytestmark = pytest.mark.slow
+# 12 runs of the real tiny model (2 regimes x 5 policies + 2 calibrations): about 3 minutes idle
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 KEYS = ("rollouts_to_target_mean", "rollouts_to_target_per_seed", "ratio_vs_fixed", "ratio_vs_fixed_per_seed",
         "optimizer_steps_to_target_per_seed", "eval_reward_at_equal_rollouts_mean",
         "eval_reward_at_equal_optimizer_steps_mean", "per_optimizer_step_vs_fixed", "final_eval_reward_mean",
