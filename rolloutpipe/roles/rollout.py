@@ -234,8 +234,10 @@ class RolloutWorker:
             if self.leaving:  # read as this worker left its run, never started here: handed back
                 await self.hand_back(entry, req, None, admitted)
                 return
-            record = BrokerCallLog(self.b, req.step, req.origin or entry.id)
-            ep = None if self.agent is None else await run_episode(self.engine, req, self.agent, record)
+            ep = None
+            if self.agent is not None:  # an episode: its calls recorded under the request's first entry
+                record = BrokerCallLog(self.b, req.step, req.origin or entry.id)
+                ep = await run_episode(self.engine, req, self.agent, record)
             gen = await self.engine.generate(req) if ep is None else ep.gen
             if self.version != req.policy_version:  # every turn of an episode too: dropped whole
                 await self.drop(entry, req, f"weights changed to {self.version} during generation")
