@@ -51,6 +51,7 @@ STEPS = 6
 WORKERS = 3
 SHARDS = 2
 EXTRA_KILLS = 4
+KILLS_S = 300  # the kills' phase takes ~40 s on an idle 2-core machine
 DEFAULT_SEEDS = (1, 2, 3)
 OVERRIDES = (
     *EMULATED_FAST,
@@ -162,7 +163,7 @@ class Chaos:
 
     def pump(self) -> None:
         """Fail on a process that died unplanned (the hand-back fault's victim is counted and
-        respawned); read new StepMetrics."""
+        respawned) or on a dead letter; read new StepMetrics."""
         for rp in self.procs():
             code = rp.proc.poll()
             if code in (None, 0) or rp.proc.pid in self.killed:
@@ -177,6 +178,10 @@ class Chaos:
                 self.cluster_of(rp).respawn(rp)
                 continue
             raise AssertionError(f"{rp.name} exited with {code}:\n{tail(rp.log_path, 40)}")
+        for run in self.runs:  # a dead letter stalls its step; the audit forbids one: fail now, with it
+            if dlq := self.sr.xrange(Keys(run).dlq, count=3):
+                letters = [DEFAULT_CODEC.decode(f[b"d"]) for _e, f in dlq]
+                raise AssertionError(f"{run} dead-lettered: {letters}")
         for run, m in self.follower.poll(block_ms=20):
             self.metrics[run].append(m)
 
@@ -308,7 +313,10 @@ def test_sigkill_pool_workers_scheduler_runs_roles_and_redis_at_random_moments(
         ch.start(tmp_path / "out", pool)
         todo = list(kills)
         due: dict[int, float] = {}  # index in todo -> when its clock reached its target
+        deadline = time.monotonic() + KILLS_S
         while todo:
+            if time.monotonic() > deadline:  # a stalled run: fail with every role's log, not a timeout
+                ch.until(lambda: False, 0, f"the kills {[k.name for k in todo]} (versions {ch.versions()})")
             ch.pump()
             vs = ch.versions()
             if min(vs.values()) >= STEPS:

@@ -68,6 +68,7 @@ async def test_trim_control_and_old_step_keys(ar: aioredis.Redis, run_name: str)
         await ar.sadd(k.finished_ids(s), "0-1")
         await ar.hset(k.ops(s), "token", "1")
         await ar.sadd(k.migrated(s), "0-2")
+        await ar.hset(k.tool_calls(s), "0-3:0", "[]")
         assert await ar.exists(*k.step_keys(s)) == per_step  # every per-step key is made here
     res = await trim_run(ar, k, 12, keep_steps=8, control_maxlen=20)
     assert await ar.xlen(k.control) == 20 and res.trimmed["control"] == 30

@@ -38,11 +38,12 @@ def main() -> None:
 
     hand_back = RolloutWorker.hand_back
 
-    async def faulty_hand_back(self: RolloutWorker, entry: Any, req: Any, gen: Any, admitted: float) -> None:
+    # the rest of hand_back's arguments pass through as they are: a new one must not break the fault
+    async def faulty_hand_back(self: RolloutWorker, entry: Any, req: Any, *rest: Any, **kw: Any) -> None:
         others = len(self.preempting - {entry.id})  # preempted by the same leave, not yet handed back
         if self.leaving and others == 0 and _claim(d, f"before migrate of {req.request_id} ({self.b.run})"):
             os.kill(os.getpid(), signal.SIGKILL)
-        await hand_back(self, entry, req, gen, admitted)
+        await hand_back(self, entry, req, *rest, **kw)
         what = f"after migrate of {req.request_id}, {others} more to hand back ({self.b.run})"
         if self.leaving and others > 0 and _claim(d, what):
             os.kill(os.getpid(), signal.SIGKILL)
