@@ -304,7 +304,14 @@ def _reuse_out(cfg: Config, out: Path, args: argparse.Namespace) -> bool | None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from rolloutpipe.launch.cluster import run_embedded, steps_done, summary_table, write_report
+    from rolloutpipe.launch.cluster import (
+        base_score,
+        held_out_line,
+        run_embedded,
+        steps_done,
+        summary_table,
+        write_report,
+    )
 
     extra = []
     if args.mode:
@@ -339,8 +346,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             resume=resume,
             max_restarts=args.max_restarts,
         )
-    write_report(cfg, metrics, out)
+    base = base_score(cfg) if any(m.eval_reward is not None for m in metrics) else None
+    write_report(cfg, metrics, out, base)
     print(summary_table(metrics, every=max(1, len(metrics) // 12)))
+    if line := held_out_line(base, metrics):
+        print(f"\n{line}")
     errors, timeouts = (sum(getattr(m, f) for m in metrics) for f in ("verifier_errors", "verifier_timeouts"))
     if errors or timeouts:
         print(f"\nverifier: {errors} errors and {timeouts} timeouts over the run, each scored 0 "

@@ -1,2 +1,2 @@
 """Multi-turn, tool-using episodes: tools as plug-ins (``tools.py``) and how calls are written
-(``formats.py``); the worker runs an episode in ``roles/episode.py``."""
+(``formats.py``); the worker runs an episode in ``engines/episode.py``."""

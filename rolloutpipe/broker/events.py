@@ -365,6 +365,11 @@ class StepMetrics(Event):
     # seconds it took (after train_end, before the version is published: not in the step's timings)
     eval_reward: float | None = None
     eval_s: float = 0.0
+    # its 95% interval over the eval prompts, and (with task.tools) the share of eval episodes that
+    # called a tool
+    eval_lo: float | None = None
+    eval_hi: float | None = None
+    eval_tool_rate: float | None = None
     # the backend's optimizer-step stats (loss, grad_norm, clipfrac, kl, entropy, ...), averaged over
     # the step's mini-batches
     train: dict[str, float] = Field(default_factory=dict)

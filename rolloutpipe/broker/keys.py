@@ -118,7 +118,7 @@ class Keys:
 
     def tool_calls(self, step: int) -> str:
         """Hash ``<request origin>:<call index>`` -> the results an episode's call got (JSON), so
-        a redone episode replays them instead of calling its tools again (``roles/episode.py``)."""
+        a redone episode replays them instead of calling its tools again (``engines/episode.py``)."""
         return f"{self.prefix}toolcalls:{step}"
 
     def step_keys(self, step: int) -> list[str]:

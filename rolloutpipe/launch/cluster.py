@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -13,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from rolloutpipe.broker import acl
 from rolloutpipe.broker.codec import DEFAULT_CODEC
@@ -24,6 +25,9 @@ from rolloutpipe.broker.keys import Keys
 from rolloutpipe.config import Config, TrainerConfig
 from rolloutpipe.errors import CodecError, RequestFailedError, RoleError, VerifierFailedError
 from rolloutpipe.launch.follow import ControlFollower
+
+if TYPE_CHECKING:
+    from rolloutpipe.roles.trainer.evaluate import EvalScore
 
 log = logging.getLogger("rolloutpipe.run")
 
@@ -418,9 +422,16 @@ SUMMARY_FIELDS = (
 
 def summary_table(metrics: list[StepMetrics], every: int = 1) -> str:
     """Every ``every``-th step and the last; with held-out scores (``eval:``), an ``eval_reward``
-    column, and every scored step is shown."""
+    column, and every scored step is shown; with tool calls (``task.tools``), ``tool_calls/sample``
+    (the tool-use rate where an episode makes at most one call) and, with held-out scores, the
+    eval episodes' tool-use rate."""
     evals = any(m.eval_reward is not None for m in metrics)
-    fields = (*SUMMARY_FIELDS[:2], "eval_reward", *SUMMARY_FIELDS[2:]) if evals else SUMMARY_FIELDS
+    tools = any(m.tool_calls for m in metrics)
+    fields = list(SUMMARY_FIELDS[:2])
+    fields += ["eval_reward"] if evals else []
+    fields += ["tool_calls/sample"] if tools else []
+    fields += ["eval_tool_rate"] if tools and evals else []
+    fields += SUMMARY_FIELDS[2:]
     rows = [m for i, m in enumerate(metrics)
             if i % every == 0 or i == len(metrics) - 1 or m.eval_reward is not None]  # fmt: skip
     head = "| " + " | ".join(fields) + " |"
@@ -428,8 +439,40 @@ def summary_table(metrics: list[StepMetrics], every: int = 1) -> str:
     lines = [head, sep]
     for m in rows:
         d = m.model_dump()
+        d["tool_calls/sample"] = m.tool_calls / m.samples if m.samples else None
         lines.append("| " + " | ".join(_fmt(d[f]) for f in fields) + " |")
     return "\n".join(lines)
+
+
+def base_score(cfg: Config) -> EvalScore | None:
+    """The base model's held-out score (version 0, before any step), scored as the trainer scores
+    each version; None without ``eval.every``, or for a ``model.path`` checkpoint (which this
+    process would have to load on its own device)."""
+    if not cfg.eval.every or cfg.model.path:
+        return None
+    from rolloutpipe.model.lm import ensure_model, load_model
+    from rolloutpipe.roles.trainer.evaluate import Evaluator
+
+    return Evaluator(cfg).score(load_model(ensure_model(cfg.model), 1))
+
+
+def held_out_line(base: EvalScore | None, metrics: list[StepMetrics]) -> str:
+    """The base model's held-out score beside the last scored version's, with their intervals."""
+    last = next((m for m in reversed(metrics) if m.eval_reward is not None), None)
+    if base is None or last is None or last.eval_lo is None or last.eval_hi is None:
+        return ""
+
+    def tools(rate: float | None) -> str:
+        return "" if rate is None else f", tool use {rate:.2f}"
+
+    verdict = "the intervals overlap"
+    if last.eval_lo > base.hi:
+        verdict = "above the base's interval"
+    elif last.eval_hi < base.lo:
+        verdict = "below the base's interval"
+    return (f"held-out reward (95% intervals over prompts): base {base.reward:.3f} [{base.lo:.3f}, "
+            f"{base.hi:.3f}]{tools(base.tool_rate)} -> version {last.step + 1} {last.eval_reward:.3f} "
+            f"[{last.eval_lo:.3f}, {last.eval_hi:.3f}]{tools(last.eval_tool_rate)}: {verdict}")  # fmt: skip
 
 
 def _fmt(v: Any) -> str:
@@ -438,8 +481,9 @@ def _fmt(v: Any) -> str:
     return f"{v:.3f}" if isinstance(v, float) else str(v)
 
 
-def write_report(cfg: Config, metrics: list[StepMetrics], out: Path) -> Path:
-    """``report.json`` plus a reward / timing picture (``report.png``)."""
+def write_report(cfg: Config, metrics: list[StepMetrics], out: Path, base: EvalScore | None = None) -> Path:
+    """``report.json`` plus a reward / timing picture (``report.png``); ``base``: the base model's
+    held-out score (``base_score``)."""
     rep = {
         "run": cfg.run,
         "mode": cfg.mode,
@@ -462,6 +506,12 @@ def write_report(cfg: Config, metrics: list[StepMetrics], out: Path) -> Path:
         "verifier_timeouts": sum(m.verifier_timeouts for m in metrics),
         # held-out reward (``eval:``): the step after which each version was scored, and its score
         "eval_reward": [[m.step, m.eval_reward] for m in metrics if m.eval_reward is not None],
+        "eval_interval": [[m.step, m.eval_lo, m.eval_hi] for m in metrics if m.eval_reward is not None],
+        "eval_base": None if base is None else dataclasses.asdict(base),
+        # task.tools: the trained episodes' calls per sample, over the run and in its last 10 steps
+        "tool_calls_per_sample": _rate(metrics),
+        "tool_calls_per_sample_last10": _rate(metrics[-10:]),
+        "eval_tool_rate": [[m.step, m.eval_tool_rate] for m in metrics if m.eval_tool_rate is not None],
     }
     (out / "report.json").write_text(json.dumps(rep, indent=2))
     if metrics:
@@ -472,6 +522,11 @@ def write_report(cfg: Config, metrics: list[StepMetrics], out: Path) -> Path:
         except ImportError:  # matplotlib is a dependency, but a picture is not worth a crash
             log.warning("matplotlib missing; report.png not written")
     return out / "report.json"
+
+
+def _rate(metrics: list[StepMetrics]) -> float | None:
+    samples = sum(m.samples for m in metrics)
+    return sum(m.tool_calls for m in metrics) / samples if samples else None
 
 
 def _mean(xs: list[float]) -> float | None:

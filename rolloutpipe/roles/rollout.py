@@ -35,9 +35,9 @@ from rolloutpipe.broker.streams import Broker, Entry
 from rolloutpipe.config import Config
 from rolloutpipe.engines import Engine, make_engine
 from rolloutpipe.engines.base import Generation
+from rolloutpipe.engines.episode import Episode, make_agent, run_episode
 from rolloutpipe.errors import ConfigError, WeightsFetchError, WeightsVerificationError
 from rolloutpipe.model.fetch import make_fetcher
-from rolloutpipe.roles.episode import Agent, Episode, run_episode
 from rolloutpipe.runtime import close_client, wait_event
 from rolloutpipe.scheduling import migration
 from rolloutpipe.tasks.reward import ScoreInput, Scorer
@@ -532,23 +532,6 @@ class BrokerCallLog:
     async def put(self, offset: int, results: list[ToolResult]) -> None:
         rows = [[r.text, r.outcome, r.truncated, r.bad_output] for r in results]
         await self.b.record_tool_results(self.step, f"{self.origin}:{offset}", rows)
-
-
-def make_agent(cfg: Config) -> Agent | None:
-    """The tools, their format and the tokenizer of ``task.tools``; None when the task has none."""
-    if not cfg.task.tools:
-        return None
-    from rolloutpipe.agents import formats
-    from rolloutpipe.agents.tools import load_toolbox
-    from rolloutpipe.model.lm import tokenizer_for
-    from rolloutpipe.plugins import import_string
-
-    name = cfg.task.tool_format
-    fmt = getattr(formats, name, None) if "." not in name and ":" not in name else import_string(name)
-    if fmt is None or not hasattr(fmt, "call_end"):
-        raise ConfigError(f"task.tool_format: {name!r} is not a tool format (hermes, arith or a dotted path)")
-    box = load_toolbox(cfg.task.tools, cfg.task.max_tool_chars)
-    return Agent(box, fmt, tokenizer_for(cfg.model), cfg.task.max_turns)
 
 
 def load_report_s(cfg: Config) -> float:

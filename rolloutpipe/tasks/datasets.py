@@ -92,6 +92,49 @@ def digit_ops(num_prompts: int, seed: int, split: str = "train", max_len: int = 
     return out
 
 
+def long_add_is_eval(prompt: str) -> bool:
+    """The held-out split of ``long_add``: one prompt in ten, by a hash of its text."""
+    return zlib.crc32(b"long_add/" + prompt.encode()) % 10 == 0
+
+
+def long_add(
+    num_prompts: int, seed: int, split: str = "train", min_digits: int = 2, max_digits: int = 4
+) -> list[Prompt]:
+    """``a+b=`` with ``a`` and ``b`` of ``min_digits`` to ``max_digits`` digits; the answer is the
+    sum's digits.  The task of ``configs/agent.yaml``: the tiny model cannot add numbers this long,
+    and the calculator can (``task.tool_format: arith``: a response `` a+b=`` calls it, and the
+    result's digits follow), so its reward is the share of responses that call it and copy the
+    prompt right.  One prompt in ten (``long_add_is_eval``) is held out."""
+    if split not in ("train", "eval"):
+        raise ConfigError(f"long_add: split must be 'train' or 'eval', not {split!r}")
+    if not 1 <= min_digits <= max_digits:
+        raise ConfigError(f"long_add: need 1 <= min_digits <= max_digits, not {min_digits}, {max_digits}")
+    rng = random.Random(f"long_add/{split}/{seed}")
+    out: list[Prompt] = []
+
+    def number() -> int:
+        n = rng.randint(min_digits, max_digits)
+        return rng.randrange(10 ** (n - 1), 10**n)
+
+    while len(out) < num_prompts:
+        a, b = number(), number()
+        text = f"{a}+{b}="
+        if long_add_is_eval(text) == (split == "eval"):
+            out.append(Prompt(text, str(a + b)))
+    return out
+
+
+def long_add_warm(num_prompts: int, seed: int, split: str = "train", tool_share: float = 0.5) -> list[Prompt]:
+    """The warm start of ``configs/agent.yaml``: ``long_add``'s train prompts, a ``tool_share`` of
+    them answered with the calculator's call and its result (`` a+b=<sum>``), the rest with the sum
+    written directly (which the tiny model gets wrong).  The base model so learns the call's format
+    and to stop after its result, and calls the tool on about that share of prompts: what RL then
+    has to raise."""
+    rng = random.Random(f"long_add_warm/{seed}")
+    rows = long_add(num_prompts, seed, split)
+    return [Prompt(p.text, f" {p.text}{p.answer}" if rng.random() < tool_share else p.answer) for p in rows]
+
+
 def jsonl(num_prompts: int, seed: int, path: str = "") -> list[Prompt]:
     """Prompts from a JSON-lines file with ``prompt`` and ``answer`` fields (GSM8K's ``question``
     and ``#### answer`` are understood too), shuffled with ``seed`` and cycled to ``num_prompts``."""

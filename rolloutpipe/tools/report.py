@@ -91,8 +91,9 @@ TRAIN_PANELS = (
 
 
 def step_panels(metrics: list[dict[str, Any]]) -> list[Panel]:
-    """What the per-step picture shows, one unit per panel: reward (train and held-out), the trainer's
-    wait ratio, rollout-to-train-end in seconds, the mean response length, then the loss stats the
+    """What the per-step picture shows, one unit per panel: reward (train and held-out), the tool use
+    (with task.tools: calls per trained sample, and the share of held-out episodes that call), the
+    trainer's wait ratio, rollout-to-train-end in seconds, the mean response length, then the loss stats the
     trainer recorded (a panel whose stats no step has is left out)."""
 
     def series(get: Any) -> list[tuple[int, float]]:
@@ -106,6 +107,11 @@ def step_panels(metrics: list[dict[str, Any]]) -> list[Panel]:
         ("mean response length (tokens)",
          {"tokens": series(lambda m: m.get("tokens", 0) / m["samples"] if m.get("samples") else None)}),
     ]  # fmt: skip
+    if any(m.get("tool_calls") for m in metrics):  # task.tools: the episodes' tool use
+        per_sample = series(lambda m: m["tool_calls"] / m["samples"] if m.get("samples") else None)
+        calling = series(lambda m: m.get("eval_tool_rate"))
+        lines = {"calls / trained sample": per_sample, "held-out episodes calling": calling}
+        panels.insert(1, ("tool use", lines))
     for title, names in TRAIN_PANELS:
         lines = {n: series(lambda m, n=n: (m.get("train") or {}).get(n)) for n in names}
         if any(lines.values()):
@@ -125,7 +131,7 @@ def plot_steps(metrics: list[dict[str, Any]], out: Path, name: str = "report-ste
                 ax.plot([x for x, _ in pts], [y for _, y in pts], marker="." if len(lines) == 1 else "o",
                         markersize=3, label=label)  # fmt: skip
         ax.set(title=title, xlabel="step")
-        if title in ("mean reward", "trainer wait ratio"):
+        if title in ("mean reward", "trainer wait ratio", "tool use"):
             ax.set_ylim(0, 1.05)
         if sum(1 for pts in lines.values() if pts) > 1:
             ax.legend(fontsize="small")

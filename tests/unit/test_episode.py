@@ -1,4 +1,4 @@
-"""``roles/episode.py``: a multi-turn episode over a scripted engine, Redis-free.
+"""``engines/episode.py``: a multi-turn episode over a scripted engine, Redis-free.
 
 The engine here plays a fixed transcript: each model turn's tokens, greedy and deterministic, and
 it honours ``stop_token_ids`` and a preemption after a given number of tokens, as the real engines
@@ -17,9 +17,9 @@ from rolloutpipe.agents.formats import arith, hermes
 from rolloutpipe.agents.tools import Toolbox, ToolResult, calculator
 from rolloutpipe.broker.events import RolloutRequest
 from rolloutpipe.engines.base import Generation
+from rolloutpipe.engines.episode import Agent, run_episode
 from rolloutpipe.errors import ConfigError
 from rolloutpipe.model.tokenizer import EOS, CharTokenizer
-from rolloutpipe.roles.episode import Agent, run_episode
 from tests.support.events import make_request
 
 TOK = CharTokenizer()

@@ -16,11 +16,11 @@ import pytest_asyncio
 from rolloutpipe.agents.formats import arith
 from rolloutpipe.agents.tools import Toolbox, calculator
 from rolloutpipe.engines import make_engine
+from rolloutpipe.engines.episode import Agent, run_episode
 from rolloutpipe.engines.vllm_engine import VllmEngine
 from rolloutpipe.model.lm import ensure_model
 from rolloutpipe.model.tokenizer import EOS, CharTokenizer
 from rolloutpipe.model.weights import publish_weights
-from rolloutpipe.roles.episode import Agent, run_episode
 from tests.support.config import make_config
 from tests.support.vllm_reference import ATOL, ENGINE, PROMPTS, Reference, perturbed, request
 

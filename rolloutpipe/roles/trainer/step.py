@@ -55,6 +55,7 @@ from rolloutpipe.roles.trainer.fence import VersionFence
 from rolloutpipe.runtime import queue_get
 
 if TYPE_CHECKING:
+    from rolloutpipe.roles.trainer.evaluate import EvalScore
     from rolloutpipe.roles.trainer.trainer import Trainer
 
 log = logging.getLogger("rolloutpipe.trainer")
@@ -80,8 +81,8 @@ async def train_step(t: Trainer, step: int, plan: StepPlan, stop: asyncio.Event)
         return None
     await schedule.finish()  # 2. schedule: what is left (all of it, for the barrier)
     train_end = time.time()
-    eval_reward, eval_s = await _evaluate(t, step)  # 3. measurement: version k+1, before it is published
-    m, timeline = await measure(t, step, plan, clock, intake, schedule, train_end, eval_reward, eval_s)
+    ev, eval_s = await _evaluate(t, step)  # 3. measurement: version k+1, before it is published
+    m, timeline = await measure(t, step, plan, clock, intake, schedule, train_end, ev, eval_s)
     await commit(t, step, m, intake, timeline)  # 4. commit: logs, checkpoint, publish, acks
     export(t, step, m)  # 3. measurement: the step logger and Prometheus
     return m
@@ -415,13 +416,13 @@ class StepClock:
         self.last_mb, self.mb_busy = self.mb_busy, 0.0
 
 
-async def _evaluate(t: Trainer, step: int) -> tuple[float | None, float]:
-    """The held-out reward of the weights just made, when due, and its seconds (else 0)."""
+async def _evaluate(t: Trainer, step: int) -> tuple[EvalScore | None, float]:
+    """The held-out score of the weights just made, when due, and its seconds (else 0)."""
     if t.evaluator is None or not t.evaluator.due(step):
         return None, 0.0
     t0 = time.time()
-    reward = await asyncio.to_thread(t.evaluator, getattr(t.backend, "model"))  # noqa: B009
-    return reward, time.time() - t0
+    score = await asyncio.to_thread(t.evaluator.score, getattr(t.backend, "model"))  # noqa: B009
+    return score, time.time() - t0
 
 
 async def measure(
@@ -432,7 +433,7 @@ async def measure(
     intake: Intake,
     schedule: StepSchedule,
     train_end: float,
-    eval_reward: float | None,
+    ev: EvalScore | None,
     eval_s: float,
 ) -> tuple[StepMetrics, dict[str, Any]]:
     """The step's ``StepMetrics`` and its row of ``OUT/timeline.jsonl``."""
@@ -487,8 +488,11 @@ async def measure(
         flat_minibatches=schedule.flat,
         step_start=clock.step_start,
         train_end=train_end,
-        eval_reward=eval_reward,
+        eval_reward=None if ev is None else ev.reward,
         eval_s=eval_s,
+        eval_lo=None if ev is None else ev.lo,
+        eval_hi=None if ev is None else ev.hi,
+        eval_tool_rate=None if ev is None else ev.tool_rate,
         train=train,
     )
     return m, timeline

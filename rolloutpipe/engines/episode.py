@@ -25,6 +25,7 @@ import numpy as np
 from rolloutpipe.agents.formats import ToolFormat
 from rolloutpipe.agents.tools import Toolbox, ToolResult
 from rolloutpipe.broker.events import RolloutRequest
+from rolloutpipe.config import Config
 from rolloutpipe.engines.base import Engine, Generation
 from rolloutpipe.errors import ConfigError
 from rolloutpipe.model.tokenizer import Tokenizer
@@ -66,6 +67,23 @@ class Agent:
                 "model's tokenizer; it must be one (the engine stops on it)"
             )
         self.call_end_id = int(ids[0])
+
+
+def make_agent(cfg: Config) -> Agent | None:
+    """The tools, their format and the tokenizer of ``task.tools``; None when the task has none."""
+    if not cfg.task.tools:
+        return None
+    from rolloutpipe.agents import formats
+    from rolloutpipe.agents.tools import load_toolbox
+    from rolloutpipe.model.lm import tokenizer_for
+    from rolloutpipe.plugins import import_string
+
+    name = cfg.task.tool_format
+    fmt = getattr(formats, name, None) if "." not in name and ":" not in name else import_string(name)
+    if fmt is None or not hasattr(fmt, "call_end"):
+        raise ConfigError(f"task.tool_format: {name!r} is not a tool format (hermes, arith or a dotted path)")
+    box = load_toolbox(cfg.task.tools, cfg.task.max_tool_chars)
+    return Agent(box, fmt, tokenizer_for(cfg.model), cfg.task.max_turns)
 
 
 def _turn_starts(mask: np.ndarray) -> list[int]:
