@@ -44,8 +44,8 @@ def score_of(
         by.setdefault(p, []).append(r)
     means = [sum(v) / len(v) for v in by.values()]
     mean = sum(rewards) / len(rewards)
-    n = len(means)
-    sd = math.sqrt(sum((m - sum(means) / n) ** 2 for m in means) / (n - 1)) if n > 1 else 0.0
+    n, pm = len(means), sum(means) / len(means)
+    sd = math.sqrt(sum((m - pm) ** 2 for m in means) / (n - 1)) if n > 1 else 0.0
     half = 1.96 * sd / math.sqrt(n)
     rate = None if calls is None else sum(1 for c in calls if c > 0) / len(calls)
     return EvalScore(mean, mean - half, mean + half, rate)
@@ -118,11 +118,10 @@ class Evaluator:
             eps = await asyncio.gather(*(run_episode(engine, r, agent) for r in reqs))
         finally:
             await engine.close()
-        rewards = []
-        for ep, (p, _) in zip(eps, self.items, strict=True):
-            inp = ScoreInput(ep.gen.text, p.answer, p.text, p.data_source, p.extra_info)
-            rewards.append((await self.scorer.score(inp)).reward)
-        return rewards, [ep.tool_calls for ep in eps]
+        inputs = [ScoreInput(ep.gen.text, p.answer, p.text, p.data_source, p.extra_info)
+                  for ep, (p, _) in zip(eps, self.items, strict=True)]  # fmt: skip
+        scores = await asyncio.gather(*(self.scorer.score(x) for x in inputs))  # a verifier pool in parallel
+        return [sc.reward for sc in scores], [ep.tool_calls for ep in eps]
 
 
 def sample_rewards(
